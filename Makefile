@@ -1,0 +1,25 @@
+# The two commands of the README. Both create .venv when it is absent and
+# reinstall only when pyproject.toml changed, so a second call starts at once.
+PYTHON ?= python3
+VENV   ?= .venv
+STAMP  := $(VENV)/.dflop-installed
+ARGS   ?=
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e '.[torch,dev]'
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/dflop run $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -n 2 $(ARGS)
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(VENV)/bin/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

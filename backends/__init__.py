@@ -1,0 +1,1 @@
+"""Execution backends (installed as dflop.backends)."""

@@ -1,0 +1,1 @@
+"""dflop: data-aware planning, scheduling and simulation for multimodal LLM training."""

@@ -1,0 +1,202 @@
+"""The `dflop` command. Commands import their implementation lazily so `--help` is instant."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dflop.cli.output import emit, fmt_stats, log
+from dflop.errors import DflopError
+
+JSON_HELP = "Print exactly one JSON object on stdout (logs go to stderr)."
+
+
+def json_option(f: Any) -> Any:
+    return click.option("--json", "as_json", is_flag=True, help=JSON_HELP)(f)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+def cli(debug: bool) -> None:
+    """dflop: data-aware planning, scheduling and simulation of multimodal LLM training."""
+
+
+# ---- profile ---------------------------------------------------------------------------------
+
+@cli.group()
+def profile() -> None:
+    """Profile the data (shapes) or the model (measured times)."""
+
+
+@profile.command("data")
+@click.option("--dataset", type=click.Path(path_type=Path), help="LLaVA-format manifest (JSON or JSONL).")
+@click.option("--preset", help="Synthetic mix: llava-ov, image-heavy, video-heavy, text-only.")
+@click.option("--samples", type=click.IntRange(min=1), help="Samples to draw (preset, default 5000) "
+              "or to read at most (dataset).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--encoder", default="siglip-so400m", show_default=True,
+              help="Encoder whose tiling rules apply.")
+@click.option("--image-root", type=click.Path(path_type=Path),
+              help="Folder image paths are relative to (default: the manifest's folder).")
+@click.option("--skip-bad", is_flag=True, help="Skip and count malformed entries instead of failing.")
+@click.option("--plot", type=click.Path(path_type=Path), help="Also draw the shape distributions here.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Data profile (JSON) to write.")
+@json_option
+def profile_data(dataset: Path | None, preset: str | None, samples: int | None, seed: int, encoder: str,
+                 image_root: Path | None, skip_bad: bool, plot: Path | None, out: Path,
+                 as_json: bool) -> None:
+    """Record the per-sample shapes of a dataset or a synthetic mix."""
+    from dflop.specs import presets
+    from dflop.workload import profile_dataset, profile_mix
+
+    if (dataset is None) == (preset is None):
+        raise click.UsageError("give exactly one of --dataset and --preset")
+    enc = presets.encoder(encoder, where="--encoder")
+    if preset is not None:
+        prof = profile_mix(preset, samples or 5000, enc, seed)
+    else:
+        prof = profile_dataset(dataset, enc, image_root=image_root, skip_bad=skip_bad, samples=samples)
+    prof.save(out)
+    summary = prof.summary()
+    result: dict[str, Any] = {"out": str(out), "source": prof.source, "samples": summary["samples"],
+                              "skipped": prof.source.get("skipped", 0),
+                              "modalities": summary["modalities"], "all": summary["all"]}
+    if plot is not None:
+        from dflop.viz.data import plot_data_profile
+
+        result["plot"] = str(plot_data_profile(prof, plot))
+
+    def human(r: dict[str, Any]) -> str:
+        lines = [f"data profile of {r['samples']} samples -> {r['out']}"
+                 + (f" ({r['skipped']} bad entries skipped)" if r["skipped"] else "")]
+        for name, block in {**r["modalities"], "all": r["all"]}.items():
+            lines.append(f"  {name:<12} {block['count']:>7} ({block['share']:6.1%})")
+            lines.append(f"      tiles       {fmt_stats(block['tiles'])}")
+            lines.append(f"      LLM tokens  {fmt_stats(block['llm_tokens'])}")
+        if "plot" in r:
+            lines.append(f"plot -> {r['plot']}")
+        return "\n".join(lines)
+
+    emit(result, as_json, human)
+
+
+@profile.command("model")
+@click.option("--model", "model_name", required=True, help="Model preset (encoder or LLM), e.g. tiny-llm.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Default: float32 on CPU, bfloat16 on CUDA.")
+@click.option("--tp", "tps", type=int, multiple=True, help="Tensor-parallel degrees to profile (repeatable).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Profile store folder.")
+@json_option
+def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[int, ...], out: Path,
+                  as_json: bool) -> None:
+    """Measure one block's forward/backward time and memory over a grid of shapes."""
+    raise DflopError("`dflop profile model` is not available yet: it arrives with the model profiler")
+
+
+# ---- plan, schedule, simulate, run -------------------------------------------------------------
+
+@cli.command()
+@click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
+@click.option("--gpus", type=click.IntRange(min=1), help="Plan for this many GPUs instead of the config's.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Plan (YAML) to write.")
+@json_option
+def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) -> None:
+    """Choose tensor/pipeline/data parallelism for the encoder and the LLM."""
+    raise DflopError("`dflop optimize` is not available yet: it arrives with the optimizer")
+
+
+@cli.command()
+@click.option("--items", type=click.Path(path_type=Path), required=True,
+              help='JSON {"items": [{"id": ..., "cost": [c_enc, c_llm, ...]}, ...]}.')
+@click.option("--bins", type=click.IntRange(min=1), required=True, help="Number of bins.")
+@click.option("--solver", default="auto", show_default=True,
+              help="auto, ilp, lpt, kk, sequential or random.")
+@click.option("--time-limit", type=float, default=1.0, show_default=True, help="Seconds for the ILP.")
+@json_option
+def schedule(items: Path, bins: int, solver: str, time_limit: float, as_json: bool) -> None:
+    """Partition items with cost vectors into balanced bins."""
+    raise DflopError("`dflop schedule` is not available yet: it arrives with the scheduler")
+
+
+@cli.command()
+@click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
+@click.option("--plan", "plan_path", type=click.Path(path_type=Path), help="Plan YAML to simulate.")
+@click.option("--schedule", "schedule_name", help="Pipeline schedule (overrides the plan's).")
+@click.option("--steps", type=click.IntRange(min=1), help="Steps to simulate.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/simulate"), show_default=True)
+@json_option
+def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | None, steps: int | None,
+             out: Path, as_json: bool) -> None:
+    """Simulate a plan on the workload; write the trace and the timeline."""
+    raise DflopError("`dflop simulate` is not available yet: it arrives with the simulator")
+
+
+@cli.command()
+@click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
+@click.option("--backend", type=click.Choice(["sim", "torch"]), default="sim", show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), help="Steps to run.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/run"), show_default=True)
+@json_option
+def run(config: Path | None, backend: str, steps: int | None, out: Path, as_json: bool) -> None:
+    """Profile, optimize, schedule every step, execute, compare with the data-blind baseline."""
+    raise DflopError("`dflop run` is not available yet")
+
+
+@cli.group()
+def plot() -> None:
+    """Draw pictures from traces."""
+
+
+@plot.command("timeline")
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="PNG to write.")
+@click.option("--compare", type=click.Path(path_type=Path), help="A second trace, drawn below on the same axis.")
+@json_option
+def plot_timeline(trace: Path, out: Path, compare: Path | None, as_json: bool) -> None:
+    """Bubble timeline of a trace: one row per rank, compute and communication apart."""
+    raise DflopError("`dflop plot timeline` is not available yet: it arrives with the simulator")
+
+
+# ---- entry point -----------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    try:
+        cli.main(args=args, prog_name="dflop", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.exceptions.Abort:
+        log("dflop: aborted")
+        return 130
+    except click.ClickException as exc:
+        if debug:
+            raise
+        log(f"dflop: error: {exc.format_message()}")
+        return 2
+    except DflopError as exc:
+        if debug:
+            raise
+        log(f"dflop: error: {exc}")
+        return 2
+    except KeyboardInterrupt:
+        log("dflop: interrupted")
+        return 130
+    except Exception as exc:  # a bug: say so in one line, the traceback under --debug
+        if debug:
+            raise
+        log(f"dflop: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)")
+        return 1
+    return 0
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

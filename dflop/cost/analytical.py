@@ -1,0 +1,103 @@
+"""The analytical cost model: FLOP counts, peak FLOP/s and an efficiency curve.
+
+Time of one unit of work (one layer on one GPU) = FLOPs / (peak x efficiency),
+the efficiency read from the hardware spec's curve at that unit's FLOPs, so
+small microbatches run at a lower fraction of peak than large ones. Tensor
+parallelism divides the FLOPs and adds, per layer, two all-reduces (or
+reduce-scatter + all-gather with sequence parallelism) of the layer's
+activations in forward and two in backward, over NVLink.
+
+Backward: weight gradients cost one forward's matmuls (W); input gradients
+cost another forward's matmuls plus 2.5x the attention (flash-attention's
+backward recomputes the scores), plus the tensor-parallel communication (B).
+Full recomputation adds one forward to B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflop.cost import flops as F
+from dflop.cost.comm import ring_allreduce_time
+from dflop.cost.protocol import StageCost, StageSpec, WorkShape
+from dflop.specs.hardware import HardwareSpec, TrainingSpec
+from dflop.specs.models import MLLMSpec
+
+ATTENTION_BACKWARD_FACTOR = 2.5
+
+
+@dataclass(frozen=True)
+class AnalyticalCostModel:
+    model: MLLMSpec
+    hardware: HardwareSpec
+    training: TrainingSpec
+
+    @property
+    def name(self) -> str:
+        return f"analytical ({self.hardware.name})"
+
+    def _seconds(self, flops: np.ndarray) -> np.ndarray:
+        return self.hardware.compute_time(flops)
+
+    def _tp_comm(self, elements: np.ndarray, tp: int) -> np.ndarray:
+        """Two collectives over a layer's activations, once per direction."""
+        hw = self.hardware
+        nbytes = elements * self.training.activation_bytes
+        return 2.0 * ring_allreduce_time(nbytes, tp, hw.intra_node_bandwidth, hw.intra_node_latency)
+
+    def _layers(self, stage: StageSpec, layer: F.LayerFlops, hidden_elements: np.ndarray,
+                act_elements: np.ndarray) -> StageCost:
+        tp, n = stage.tp, stage.layers
+        gemm, attention = layer.gemm / tp, layer.attention / tp
+        seconds_per_flop = np.where(gemm + attention > 0,
+                                    self._seconds(gemm + attention) / np.maximum(gemm + attention, 1.0),
+                                    0.0)
+        t_gemm, t_attn = gemm * seconds_per_flop, attention * seconds_per_flop
+        comm = self._tp_comm(hidden_elements, tp)
+        fwd = t_gemm + t_attn + comm
+        bwd_input = t_gemm + ATTENTION_BACKWARD_FACTOR * t_attn + comm
+        b = self.training.activation_bytes
+        if self.training.recompute == "full":
+            bwd_input = bwd_input + fwd
+            act = (n * hidden_elements + act_elements) * b / tp
+        else:
+            act = n * act_elements * b / tp
+        return StageCost(n * fwd, n * bwd_input, n * t_gemm, act, n * (layer.gemm + layer.attention) / tp)
+
+    def _extra(self, flops: np.ndarray, tp: int, act_bytes: np.ndarray) -> StageCost:
+        """A fixed part (embedding side or output side) done once per microbatch."""
+        t = self._seconds(flops / tp)
+        return StageCost(t, t, t, act_bytes, flops / tp)
+
+    def stage_cost(self, stage: StageSpec, shape: WorkShape) -> StageCost:
+        if stage.module == "encoder":
+            return self._encoder(stage, shape)
+        return self._llm(stage, shape)
+
+    def _llm(self, stage: StageSpec, shape: WorkShape) -> StageCost:
+        llm, b, tp = self.model.llm, self.training.activation_bytes, stage.tp
+        tokens = np.asarray(shape.tokens, dtype=float)
+        layer = F.llm_layer_flops(llm, tokens, np.asarray(shape.sum_sq, dtype=float))
+        cost = self._layers(stage, layer, tokens * llm.hidden,
+                            F.llm_layer_activation_elements(llm, tokens))
+        if stage.last:
+            # Head input (bf16) and fp32 logits for the loss, vocabulary split over TP.
+            act = tokens * llm.hidden * b / tp + tokens * llm.vocab * 4.0 / tp
+            cost = cost + self._extra(F.llm_head_flops(llm, tokens), tp, act)
+        return cost
+
+    def _encoder(self, stage: StageSpec, shape: WorkShape) -> StageCost:
+        enc, b, tp = self.model.encoder, self.training.activation_bytes, stage.tp
+        tiles = np.asarray(shape.tiles, dtype=float)
+        layer = F.vit_layer_flops(enc, tiles)
+        cost = self._layers(stage, layer, tiles * enc.patches_per_tile * enc.hidden,
+                            F.vit_layer_activation_elements(enc, tiles))
+        if stage.first:
+            pixels = tiles * enc.patches_per_tile * 3 * enc.patch_size**2 * b / tp
+            cost = cost + self._extra(F.vit_embedding_flops(enc, tiles), tp, pixels)
+        if stage.last:
+            act = F.projector_activation_elements(self.model, tiles) * b / tp
+            cost = cost + self._extra(F.projector_flops(self.model, tiles), tp, act)
+        return cost

@@ -1,0 +1,92 @@
+"""The cost-model protocol every cost model implements (analytical, profiled, corrected).
+
+A cost model answers one question: how long does one pipeline stage of one
+module take, forward and backward, on one microbatch of a given shape, and
+how many activation bytes does it keep until its backward. Everything above
+(scheduler, simulator, optimizer) asks only this question, so any model that
+answers it can drive them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+from dflop.specs.models import MLLMSpec
+
+Array = Any
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage of one module on one tensor-parallel group."""
+
+    module: Literal["encoder", "llm"]
+    layers: int
+    tp: int = 1
+    first: bool = False
+    """Holds the input side: patch embedding (encoder) or token embedding (LLM)."""
+    last: bool = False
+    """Holds the output side: projector (encoder) or final norm, LM head and loss (LLM)."""
+
+
+@dataclass(frozen=True)
+class WorkShape:
+    """The shape of one microbatch (fields may be numpy arrays: many microbatches at once)."""
+
+    samples: Array = 0
+    tiles: Array = 0
+    """Vision tiles (encoder sequences)."""
+    tokens: Array = 0
+    """LLM tokens, packed."""
+    sum_sq: Array = 0
+    """Sum over samples of squared LLM lengths (attention grows with each sample's own length)."""
+
+    @classmethod
+    def of(cls, tiles: Array, llm_tokens: Array) -> "WorkShape":
+        """The shape of single samples (arrays of per-sample tiles and tokens)."""
+        t = np.asarray(llm_tokens, dtype=float)
+        return cls(samples=np.ones_like(t), tiles=np.asarray(tiles, dtype=float), tokens=t, sum_sq=t * t)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Seconds and bytes of one stage on one microbatch (fields broadcast like the shape)."""
+
+    fwd: Array
+    bwd_input: Array
+    """Backward through the inputs (B in zero-bubble schedules)."""
+    bwd_weight: Array
+    """Weight gradients (W in zero-bubble schedules)."""
+    act_bytes: Array
+    """Activation bytes kept from forward until backward."""
+    flops: Array
+    """Forward FLOPs (for utilisation figures)."""
+
+    @property
+    def bwd(self) -> Array:
+        return self.bwd_input + self.bwd_weight
+
+    def __add__(self, other: "StageCost") -> "StageCost":
+        return StageCost(self.fwd + other.fwd, self.bwd_input + other.bwd_input,
+                         self.bwd_weight + other.bwd_weight, self.act_bytes + other.act_bytes,
+                         self.flops + other.flops)
+
+    def scaled(self, factor: Array) -> "StageCost":
+        """Time scaled by ``factor`` (bytes and FLOPs unchanged)."""
+        return StageCost(self.fwd * factor, self.bwd_input * factor, self.bwd_weight * factor,
+                         self.act_bytes, self.flops)
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    model: MLLMSpec
+
+    @property
+    def name(self) -> str:
+        """Which model this is, for reports ("analytical h100", "profiled cpu", ...)."""
+
+    def stage_cost(self, stage: StageSpec, shape: WorkShape) -> StageCost:
+        """Cost of ``stage`` on microbatch(es) of ``shape``."""

@@ -1,0 +1,121 @@
+"""Pipeline programs as data: for every rank, an ordered list of actions.
+
+Actions read as torch.distributed.pipelining writes them: ``<stage><kind><microbatch>``,
+e.g. ``1F3`` (stage 1, forward, microbatch 3), ``2I0`` (backward through the
+inputs), ``2W0`` (weight gradients), ``0SEND_F1``. A program round-trips
+through CSV, one row per rank, as torch's ``_dump_csv`` writes it.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from dflop.errors import DflopError
+
+
+class Kind(str, Enum):
+    F = "F"
+    B = "B"
+    """Full backward (inputs and weights together)."""
+    I = "I"  # noqa: E741 - torch's name for backward-input
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Kind.F, Kind.B, Kind.I, Kind.W)
+
+
+_ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        match = _ACTION.match(text.strip())
+        if not match:
+            raise DflopError(f"invalid action '{text}': expected <stage><kind><microbatch>, e.g. 1F3, "
+                             "kinds F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B")
+        return cls(int(match.group(1)), Kind(match.group(2)), int(match.group(3)))
+
+
+@dataclass(frozen=True)
+class Program:
+    """A pipeline schedule: ``ranks[r]`` is rank r's actions in execution order."""
+
+    name: str
+    stages: int
+    """Pipeline stages, counting virtual stages."""
+    microbatches: int
+    stage_to_rank: tuple[int, ...]
+    ranks: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def lowered(self) -> bool:
+        """True once send/recv actions have been added."""
+        return any(not a.kind.is_compute for actions in self.ranks for a in actions)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    def to_csv(self) -> str:
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        for actions in self.ranks:
+            writer.writerow([str(a) for a in actions])
+        return buf.getvalue()
+
+    @classmethod
+    def from_csv(cls, text: str, name: str = "custom") -> "Program":
+        """Read a program written by :meth:`to_csv`; stages, microbatches and the stage-to-rank
+        map are read off the actions."""
+        rows = [[cell for cell in row if cell.strip()] for row in csv.reader(io.StringIO(text))]
+        ranks = tuple(tuple(Action.parse(cell) for cell in row) for row in rows if row)
+        if not ranks:
+            raise DflopError("program CSV has no actions")
+        actions = [a for row in ranks for a in row]
+        stages = max(a.stage for a in actions) + 1
+        owner: dict[int, int] = {}
+        for rank, row in enumerate(ranks):
+            for a in row:
+                if a.kind.is_compute and owner.setdefault(a.stage, rank) != rank:
+                    raise DflopError(f"program CSV: stage {a.stage} has compute on ranks "
+                                     f"{owner[a.stage]} and {rank}")
+        missing = [s for s in range(stages) if s not in owner]
+        if missing:
+            raise DflopError(f"program CSV: stage {missing[0]} has no compute action")
+        return cls(name, stages, max(a.microbatch for a in actions) + 1,
+                   tuple(owner[s] for s in range(stages)), ranks)
+
+    def table(self, steps: list[list[str]] | None = None, limit: int = 40) -> str:
+        """A step-by-rank table (one row per step, one column per rank)."""
+        columns = steps if steps is not None else [[str(a) for a in row] for row in self.ranks]
+        depth = max((len(c) for c in columns), default=0)
+        width = max([len(x) for c in columns for x in c] + [6])
+        header = "step  " + " ".join(f"{'rank ' + str(r):<{width}}" for r in range(len(columns)))
+        lines = [header]
+        for step in range(min(depth, limit)):
+            cells = [c[step] if step < len(c) else "" for c in columns]
+            lines.append(f"{step:>4}  " + " ".join(f"{x:<{width}}" for x in cells))
+        if depth > limit:
+            lines.append(f" ...  ({depth - limit} more steps)")
+        return "\n".join(lines)

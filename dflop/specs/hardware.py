@@ -1,0 +1,147 @@
+"""Hardware, cluster and training-recipe specs.
+
+Every hardware figure (peak FLOP/s, memory, link bandwidths, the efficiency
+curve) is data in a spec, loaded from ``presets/hardware.yaml`` or a user file;
+no module uses a hardware constant of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from dflop.errors import SpecError
+from dflop.specs.loading import at, require
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareSpec:
+    """One accelerator model and the links around it."""
+
+    name: str
+    peak_flops: float
+    """Dense bf16 FLOP/s (no sparsity)."""
+    memory_gib: float
+    """Device memory as the runtime reports it, in GiB."""
+    reserved_fraction: float = 0.08
+    """Share of memory the plan may not use (CUDA context, NCCL buffers, fragmentation)."""
+    hbm_bandwidth: float
+    """Device-memory bandwidth, bytes/s."""
+    intra_node_bandwidth: float
+    """Per-GPU, per-direction bandwidth to a GPU in the same node (NVLink), bytes/s."""
+    inter_node_bandwidth: float
+    """Per-GPU bandwidth to a GPU in another node (one NIC per GPU), bytes/s."""
+    intra_node_latency: float = 5.0e-6
+    inter_node_latency: float = 1.0e-5
+    efficiency: tuple[tuple[float, float], ...]
+    """Achieved fraction of peak as a function of the FLOPs of one kernel-sized unit of work
+    (one layer on one GPU): points (flops, fraction), interpolated in log(flops)."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "memory_gib", "hbm_bandwidth", "intra_node_bandwidth",
+                     "inter_node_bandwidth"):
+            require(getattr(self, name) > 0, f"{name}: must be positive, got {getattr(self, name)}")
+        require(0 <= self.reserved_fraction < 1,
+                f"reserved_fraction: must be in [0, 1), got {self.reserved_fraction}")
+        require(self.intra_node_latency >= 0 and self.inter_node_latency >= 0,
+                "latencies must not be negative")
+        require(len(self.efficiency) >= 1, "efficiency: needs at least one (flops, fraction) point")
+        xs = [p[0] for p in self.efficiency]
+        require(all(a < b for a, b in zip(xs, xs[1:])),
+                "efficiency: flops must increase from point to point")
+        require(all(0 < p[1] <= 1 for p in self.efficiency),
+                "efficiency: every fraction must be in (0, 1]")
+        fractions = [p[1] for p in self.efficiency]
+        require(all(a <= b for a, b in zip(fractions, fractions[1:])),
+                "efficiency: fractions must not decrease as work grows")
+        # Time = flops / (peak * e(flops)) must still grow with flops, or more work would finish
+        # sooner: with e linear in log10(flops) that holds when e > slope / ln(10) on every segment.
+        for (x0, e0), (x1, e1) in zip(self.efficiency, self.efficiency[1:]):
+            slope = (e1 - e0) / (np.log10(x1) - np.log10(x0))
+            require(e0 > slope / np.log(10),
+                    f"efficiency: rises too steeply between {x0:g} and {x1:g} FLOPs "
+                    "(more work would take less time)")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes * (1.0 - self.reserved_fraction)
+
+    def achieved(self, flops: Any) -> Any:
+        """Achieved fraction of peak for units of work of ``flops`` each (array-friendly)."""
+        xs = np.log10([p[0] for p in self.efficiency])
+        ys = np.array([p[1] for p in self.efficiency])
+        return np.interp(np.log10(np.maximum(flops, 1.0)), xs, ys)
+
+    def compute_time(self, flops: Any, unit_flops: Any | None = None) -> Any:
+        """Seconds to run ``flops`` at the efficiency of units of ``unit_flops`` (default: one unit)."""
+        unit = flops if unit_flops is None else unit_flops
+        return np.asarray(flops, dtype=float) / (self.peak_flops * self.achieved(unit))
+
+    @classmethod
+    def coerce(cls, value: Any, where: str) -> "HardwareSpec":
+        """A preset name stands for the preset (``hardware: h100``)."""
+        from dflop.specs.presets import hardware
+
+        if not isinstance(value, str):
+            raise SpecError(f"{at(where)}: expected a preset name or a mapping, got {value!r}")
+        return hardware(value, where=where)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """Nodes of identical GPUs; GPU ``g`` sits on node ``g // gpus_per_node``."""
+
+    hardware: HardwareSpec
+    nodes: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        require(self.nodes >= 1, f"nodes: must be at least 1, got {self.nodes}")
+        require(self.gpus_per_node >= 1, f"gpus_per_node: must be at least 1, got {self.gpus_per_node}")
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_of(self, gpu: int) -> int:
+        return gpu // self.gpus_per_node
+
+    def with_gpus(self, gpus: int) -> "ClusterSpec":
+        """The same hardware with ``gpus`` GPUs (whole nodes when gpus >= gpus_per_node)."""
+        per_node = min(self.gpus_per_node, gpus)
+        require(gpus % per_node == 0,
+                f"gpus: {gpus} is not a whole number of {per_node}-GPU nodes")
+        return ClusterSpec(hardware=self.hardware, nodes=gpus // per_node, gpus_per_node=per_node)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSpec:
+    """What one optimizer step trains on and how state is stored.
+
+    Byte counts default to mixed-precision Adam as accounted in the ZeRO paper
+    (Rajbhandari et al., 2020): 2 (bf16 weights) + 2 (bf16 gradients) + 12
+    (fp32 master weights, Adam m and v) = 16 bytes per parameter.
+    """
+
+    global_batch: int
+    """Samples per optimizer step, over all data-parallel replicas."""
+    weight_bytes: int = 2
+    grad_bytes: int = 2
+    optimizer_bytes: int = 12
+    activation_bytes: int = 2
+    recompute: Literal["none", "full"] = "none"
+    """'full': keep only each layer's input and recompute the layer in backward."""
+
+    def __post_init__(self) -> None:
+        require(self.global_batch >= 1, f"global_batch: must be at least 1, got {self.global_batch}")
+        for name in ("weight_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"):
+            require(getattr(self, name) >= 0, f"{name}: must not be negative")

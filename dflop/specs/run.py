@@ -1,0 +1,79 @@
+"""The run configuration: everything `dflop run`, `optimize` and `simulate` need.
+
+Without ``--config`` the embedded default (``default_run.yaml``) is used: a
+LLaVA-OneVision-style SigLIP + Qwen2.5-7B model on a simulated 4x8 H100
+cluster with the ``llava-ov`` data mix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from dflop.specs.hardware import ClusterSpec, TrainingSpec
+from dflop.specs.loading import from_mapping, load_yaml, require
+from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
+from dflop.specs.plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """Where samples come from: a synthetic preset, a saved data profile, or a manifest."""
+
+    preset: str = "llava-ov"
+    profile: str = ""
+    """Path of a data profile written by `dflop profile data` (takes precedence over preset)."""
+    dataset: str = ""
+    """Path of a LLaVA-format manifest (takes precedence over profile and preset)."""
+    samples: int = 20000
+    """Samples drawn from a preset (the pool global batches are drawn from)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.samples >= 1, f"samples: must be at least 1, got {self.samples}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSpec:
+    solver: str = "auto"
+    """Microbatch partitioner: auto, ilp, lpt, kk, sequential or random."""
+    time_limit: float = 0.5
+    """Seconds the ILP may spend on one global batch."""
+    ilp_backend: Literal["cbc", "highs"] = "cbc"
+
+    def __post_init__(self) -> None:
+        require(self.time_limit > 0, f"time_limit: must be positive, got {self.time_limit}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    encoder: EncoderSpec
+    llm: LLMSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    data: DataSpec = field(default_factory=DataSpec)
+    scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
+    steps: int = 8
+    """Training steps to simulate or run."""
+    seed: int = 0
+    plan: Plan | None = None
+    """A fixed plan; when absent the optimizer chooses one."""
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, f"steps: must be at least 1, got {self.steps}")
+
+    @property
+    def model(self) -> MLLMSpec:
+        return MLLMSpec(encoder=self.encoder, llm=self.llm)
+
+
+def load_run_config(path: str | Path | None = None) -> RunConfig:
+    """The run config in ``path``, or the embedded default."""
+    if path is None:
+        text = resources.files("dflop.specs").joinpath("default_run.yaml").read_text()
+        return from_mapping(RunConfig, yaml.safe_load(text), "default_run.yaml:")
+    return from_mapping(RunConfig, load_yaml(path), f"{path}:")

@@ -1,0 +1,133 @@
+"""Vision preprocessing rules: image sizes and frame counts to tiles and tokens.
+
+Vectorised over samples, because synthetic mixes and data profiles run these
+rules on hundreds of thousands of images. The arithmetic follows the reference
+implementations step by step (LLaVA-NeXT's ``select_best_resolution`` and
+``unpad_image`` with ``anyres_max_N``; InternVL's ``dynamic_preprocess``), so
+that counts match what those models feed their encoders.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflop.specs.models import TilingSpec
+
+
+def _anyres_grids(t: TilingSpec) -> np.ndarray:
+    """Candidate (width, height) resolutions in LLaVA-NeXT's order."""
+    return np.array([(i * t.tile_size, j * t.tile_size)
+                     for i in range(1, t.max_grid + 1) for j in range(1, t.max_grid + 1)], dtype=float)
+
+
+def _anyres(width: np.ndarray, height: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
+    w = width.astype(float)[:, None]
+    h = height.astype(float)[:, None]
+    grids = _anyres_grids(t)
+    cw, ch = grids[:, 0][None, :], grids[:, 1][None, :]
+    scale = np.minimum(cw / w, ch / h)
+    effective = np.minimum(np.floor(w * scale) * np.floor(h * scale), w * h)
+    wasted = cw * ch - effective
+    # Best = largest effective resolution, then least waste, then first in order.
+    best_eff = effective.max(axis=1, keepdims=True)
+    waste_if_best = np.where(effective == best_eff, wasted, np.inf)
+    choice = np.argmin(waste_if_best, axis=1)
+    grid_w = (grids[choice, 0] // t.tile_size).astype(np.int64)
+    grid_h = (grids[choice, 1] // t.tile_size).astype(np.int64)
+
+    side = t.feature_side
+    cur_h, cur_w = (grid_h * side).astype(float), (grid_w * side).astype(float)
+    w1, h1 = width.astype(float), height.astype(float)
+    wider = (w1 / h1) > (cur_w / cur_h)
+    new_h = np.floor(h1 * (cur_w / w1))
+    new_w = np.floor(w1 * (cur_h / h1))
+    pad_h = np.floor_divide(cur_h - new_h, 2)
+    pad_w = np.floor_divide(cur_w - new_w, 2)
+    feat_h = np.where(wider, cur_h - 2 * pad_h, cur_h)
+    feat_w = np.where(wider, cur_w, cur_w - 2 * pad_w)
+
+    times = np.sqrt(feat_h * feat_w / (t.anyres_max * t.tile_tokens))
+    shrink = times > 1.1
+    feat_h = np.where(shrink, np.floor_divide(feat_h, np.where(shrink, times, 1.0)), feat_h)
+    feat_w = np.where(shrink, np.floor_divide(feat_w, np.where(shrink, times, 1.0)), feat_w)
+
+    newline = 1 if t.newline_tokens else 0
+    base = 1 if t.thumbnail else 0
+    tiles = grid_w * grid_h + base
+    tokens = base * t.tile_tokens + (feat_h * (feat_w + newline)).astype(np.int64)
+    return tiles, tokens
+
+
+def _dynamic_ratios(max_tiles: int) -> list[tuple[int, int]]:
+    ratios = set((i, j) for n in range(1, max_tiles + 1) for i in range(1, n + 1)
+                 for j in range(1, n + 1) if 1 <= i * j <= max_tiles)
+    return sorted(ratios, key=lambda r: r[0] * r[1])
+
+
+def _dynamic_one(width: int, height: int, t: TilingSpec, ratios: list[tuple[int, int]]) -> int:
+    aspect = width / height
+    best_diff, best = float("inf"), (1, 1)
+    area = width * height
+    for r in ratios:
+        diff = abs(aspect - r[0] / r[1])
+        if diff < best_diff:
+            best_diff, best = diff, r
+        elif diff == best_diff and area > 0.5 * t.tile_size * t.tile_size * r[0] * r[1]:
+            best = r
+    blocks = best[0] * best[1]
+    return blocks + (1 if t.thumbnail and blocks != 1 else 0)
+
+
+def _dynamic(width: np.ndarray, height: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
+    ratios = _dynamic_ratios(t.max_tiles)
+    cache: dict[tuple[int, int], int] = {}
+    tiles = np.empty(len(width), dtype=np.int64)
+    for k, (w, h) in enumerate(zip(width.tolist(), height.tolist())):
+        key = (int(w), int(h))
+        if key not in cache:
+            cache[key] = _dynamic_one(key[0], key[1], t, ratios)
+        tiles[k] = cache[key]
+    return tiles, tiles * t.tile_tokens
+
+
+def single_images(width: np.ndarray, height: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Tiles and LLM tokens of single images of the given pixel sizes."""
+    width = np.asarray(width, dtype=np.int64)
+    height = np.asarray(height, dtype=np.int64)
+    if len(width) and (width.min() < 1 or height.min() < 1):
+        raise ValueError("image sizes must be at least 1 x 1 pixel")
+    if t.scheme == "anyres":
+        return _anyres(width, height, t)
+    return _dynamic(width, height, t)
+
+
+def single_image(width: int, height: int, t: TilingSpec) -> tuple[int, int]:
+    tiles, tokens = single_images(np.array([width]), np.array([height]), t)
+    return int(tiles[0]), int(tokens[0])
+
+
+def multi_images(count: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
+    """A multi-image sample feeds each image as one tile."""
+    count = np.asarray(count, dtype=np.int64)
+    return count, count * t.multi_image_tokens
+
+
+def video_frames(duration_s: np.ndarray, t: TilingSpec) -> np.ndarray:
+    """Frames sampled from videos of the given length: ``fps`` per second, at most ``max_frames``."""
+    frames = np.ceil(np.asarray(duration_s, dtype=float) * t.fps).astype(np.int64)
+    return np.clip(frames, 1, t.max_frames)
+
+
+def videos(frames: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Tiles and LLM tokens of videos fed ``frames`` frames each (capped at max_frames)."""
+    frames = np.clip(np.asarray(frames, dtype=np.int64), 1, t.max_frames)
+    per_frame = t.frame_tokens
+    extra = np.zeros_like(frames)
+    if t.video_newline == "grid":
+        per_frame += t.frame_side
+    elif t.video_newline == "frame":
+        per_frame += 1
+    elif t.video_newline == "one_token":
+        extra = np.ones_like(frames)
+    return frames, frames * per_frame + extra
+

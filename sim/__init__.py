@@ -1,0 +1,1 @@
+"""SimPy executor of pipeline programs (installed as dflop.sim)."""

@@ -1,0 +1,30 @@
+"""Run the `dflop` command in a subprocess, as a user would."""
+
+import json
+import subprocess
+import sys
+
+
+def dflop(*args, cwd=None, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "dflop.cli.main", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def dflop_json(*args, cwd=None, timeout=600):
+    proc = dflop(*args, "--json", cwd=cwd, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected exactly one JSON object, got: {proc.stdout[:500]}"
+    return json.loads(lines[0])
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("dflop: error: ")
+    assert "Traceback" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert proc.stdout == ""
