@@ -39,7 +39,7 @@ def _rounds(pp: int, m: int, name: str) -> int:
 
 def _one_f_one_b_ranks(pp: int, m: int, v: int, zero_bubble: bool, name: str) -> tuple[tuple[Action, ...], ...]:
     """torch's _get_1f1b_rank_ops for every rank (F/B, or F/I/W with zero_bubble)."""
-    per_round = _rounds(pp, m, name)
+    per_round = _rounds(pp, m, name) if v > 1 else m
     backward = Kind.I if zero_bubble else Kind.B
     out = []
     for rank in range(pp):

@@ -1,0 +1,170 @@
+"""The step template: a plan's pipeline program laid over its modules and replicas.
+
+A *group* is one pipeline rank of one module, repeated on every data-parallel
+replica; a *template op* is one action of one group, i.e. an array of ops,
+one per replica. All replicas of a module run the same program, so the
+template, its dependencies and its topological order are built once per plan
+and evaluated on many batches (vectorised over replicas).
+
+Disaggregated placement runs the encoder stages and the LLM stages as one
+pipeline of ``pp_enc + pp_llm`` stages (the encoder's warm-up accounts for the
+LLM stages behind it); the *bridge* from the last encoder stage to the first
+LLM stage connects replicas many-to-many, as the samples of each LLM bin were
+encoded by whichever encoder replicas held them. Colocated placement runs the
+encoder inside LLM stage 0.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from dflop.errors import DflopError
+from dflop.program.actions import Action, Kind, Program
+from dflop.program.check import check_program
+from dflop.program.schedules import build
+from dflop.specs.plan import Plan
+
+
+@dataclass(frozen=True)
+class Group:
+    index: int
+    module: str
+    """'encoder' or 'llm' (a colocated LLM stage 0 also carries the encoder)."""
+    rank: int
+    """Pipeline rank within its module."""
+    replicas: int
+    tp: int
+    stages: tuple[int, ...]
+    """Module-local stages this rank holds (more than one with virtual stages)."""
+
+
+@dataclass(frozen=True)
+class TemplateOp:
+    index: int
+    group: int
+    action: Action
+    """The action as the program numbers stages."""
+    stage: int
+    """Module-local stage."""
+    prev: int
+    """Previous op of the same group in program order (-1 for the first)."""
+    deps: tuple[int, ...]
+    """Ops of the same replica that must finish first (data dependencies)."""
+    bridge: int
+    """Op on the other side of the encoder-LLM bridge that must finish first (-1 if none)."""
+
+
+@dataclass(frozen=True)
+class Template:
+    plan: Plan
+    program: Program
+    encoder_stages: int
+    """Program stages that belong to the encoder (0 when colocated)."""
+    groups: tuple[Group, ...]
+    ops: tuple[TemplateOp, ...]
+    order: tuple[int, ...]
+    """Ops in a topological order valid for every replica."""
+    last_op: tuple[int, ...]
+    """Last op of each group in program order."""
+
+    @property
+    def colocated(self) -> bool:
+        return self.encoder_stages == 0
+
+    def module_stage(self, program_stage: int) -> tuple[str, int]:
+        if program_stage < self.encoder_stages:
+            return "encoder", program_stage
+        return "llm", program_stage - self.encoder_stages
+
+
+def program_for(plan: Plan) -> tuple[Program, int]:
+    """The plan's pipeline program and how many of its stages are encoder stages."""
+    if plan.placement == "colocated":
+        return build(plan.schedule, plan.llm.pp, plan.microbatches, plan.virtual_stages), 0
+    if plan.virtual_stages > 1:
+        raise DflopError("virtual stages need colocated placement")
+    return build(plan.schedule, plan.encoder.pp + plan.llm.pp, plan.microbatches), plan.encoder.pp
+
+
+def build_template(plan: Plan, program: Program | None = None) -> Template:
+    if program is None:
+        program, encoder_stages = program_for(plan)
+    else:
+        encoder_stages = 0 if plan.placement == "colocated" else plan.encoder.pp
+    check_program(program)
+    last_stage = program.stages - 1
+    groups = []
+    for rank in range(program.num_ranks):
+        stages = program.stages_of(rank)
+        module = "encoder" if stages[0] < encoder_stages else "llm"
+        offset = 0 if module == "encoder" else encoder_stages
+        mp = plan.module(module)
+        groups.append(Group(rank, module, rank - (0 if module == "encoder" else encoder_stages),
+                            mp.dp, mp.tp, tuple(s - offset for s in stages)))
+
+    index: dict[Action, int] = {}
+    flat: list[tuple[int, Action, int]] = []
+    for rank, actions in enumerate(program.ranks):
+        prev = -1
+        for a in actions:
+            if not a.kind.is_compute:
+                continue
+            index[a] = len(flat)
+            flat.append((rank, a, prev))
+            prev = index[a]
+    split = {(a.stage, a.microbatch) for a in index if a.kind is Kind.I}
+
+    def backward(stage: int, k: int) -> int:
+        return index[Action(stage, Kind.I if (stage, k) in split else Kind.B, k)]
+
+    ops = []
+    for i, (rank, a, prev) in enumerate(flat):
+        s, k = a.stage, a.microbatch
+        deps: list[int] = []
+        bridge = -1
+        if a.kind is Kind.F and s > 0:
+            if s == encoder_stages:
+                bridge = index[Action(s - 1, Kind.F, k)]
+            else:
+                deps.append(index[Action(s - 1, Kind.F, k)])
+        elif a.kind in (Kind.B, Kind.I):
+            deps.append(index[Action(s, Kind.F, k)])
+            if s < last_stage:
+                if s + 1 == encoder_stages:
+                    bridge = backward(s + 1, k)
+                else:
+                    deps.append(backward(s + 1, k))
+        elif a.kind is Kind.W:
+            deps.append(index[Action(s, Kind.I, k)])
+        local = s - (0 if s < encoder_stages else encoder_stages)
+        ops.append(TemplateOp(i, rank, a, local, prev, tuple(deps), bridge))
+
+    last = [-1] * len(groups)
+    for op in ops:
+        last[op.group] = op.index
+    return Template(plan, program, encoder_stages, tuple(groups), tuple(ops),
+                    _topological(ops), tuple(last))
+
+
+def _topological(ops: list[TemplateOp]) -> tuple[int, ...]:
+    """Kahn's algorithm, smallest index first among ready ops (deterministic)."""
+    succ: list[list[int]] = [[] for _ in ops]
+    indegree = [0] * len(ops)
+    for op in ops:
+        for d in (op.prev, op.bridge, *op.deps):
+            if d >= 0:
+                succ[d].append(op.index)
+                indegree[op.index] += 1
+    ready = deque(i for i, n in enumerate(indegree) if n == 0)
+    order = []
+    while ready:
+        i = ready.popleft()
+        order.append(i)
+        for j in succ[i]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                ready.append(j)
+    if len(order) != len(ops):
+        raise DflopError("the step's dependencies form a cycle (the program would deadlock)")
+    return tuple(order)

@@ -1,0 +1,148 @@
+"""Fast partitioning heuristics and the data-blind baselines.
+
+``lpt`` is longest-processing-time first on cost vectors: items in decreasing
+order of their largest cost, each to the bin whose largest load is smallest
+(a heap; ties go to the bin with fewer items, so no bin stays empty). Keys are
+absolute, not normalised per dimension: the makespan is the largest absolute
+load, and balancing a small dimension as carefully as a large one only costs
+balance where it matters (measured: 0.01% vs 1.5% above the bound on 4096
+llava-ov samples in 64 bins).
+
+``kk`` is Karmarkar-Karp's largest differencing method generalised to K bins
+and D dimensions: every item starts as a K-way partial partition; the two
+partial partitions with the largest spread are merged, the heaviest subset of
+one with the lightest of the other; repeat until one remains.
+
+``sequential`` is what data-blind frameworks do (arrival order, equal sample
+counts per bin); ``random`` is the same after a seeded shuffle.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from dflop.errors import InfeasibleError
+from dflop.schedule.problem import PartitionProblem
+
+
+def _room(problem: PartitionProblem, held: np.ndarray, item: int) -> np.ndarray:
+    """Bins that can take ``item`` without exceeding a cap."""
+    if problem.resources is None:
+        return np.ones(problem.bins, dtype=bool)
+    return ((held + problem.resources[item][None, :]) <= problem.caps[None, :] * (1 + 1e-9)).all(axis=1)
+
+
+def _no_room(problem: PartitionProblem, item: int) -> InfeasibleError:
+    return InfeasibleError(f"item {problem.name(item)} fits in no bin within the caps "
+                           f"({problem.bins} bins); use more bins or larger caps")
+
+
+def lpt(problem: PartitionProblem) -> np.ndarray:
+    k, dims = problem.bins, range(problem.dims)
+    columns = [problem.costs[:, d].tolist() for d in dims]
+    loads = [[0.0] * k for _ in dims]
+    caps = None if problem.resources is None else problem.caps * (1 + 1e-9)
+    held = None if caps is None else np.zeros((k, len(caps)))
+    heap = [(0.0, 0, b) for b in range(k)]
+    assignment = [0] * problem.n
+    for item in np.argsort(-problem.costs.max(axis=1), kind="stable").tolist():
+        skipped = []
+        while True:
+            if not heap:
+                raise _no_room(problem, item)
+            entry = heapq.heappop(heap)
+            b = entry[2]
+            if held is None or (held[b] + problem.resources[item] <= caps).all():
+                break
+            skipped.append(entry)
+        for d in dims:
+            loads[d][b] += columns[d][item]
+        if held is not None:
+            held[b] += problem.resources[item]
+        assignment[item] = b
+        heapq.heappush(heap, (max(loads[d][b] for d in dims), entry[1] + 1, b))
+        for other in skipped:
+            heapq.heappush(heap, other)
+    return np.array(assignment, dtype=np.int64)
+
+
+def kk(problem: PartitionProblem) -> np.ndarray:
+    costs = problem.costs
+    key = costs.max(axis=1)
+    k = problem.bins
+    heap: list[tuple[float, int, np.ndarray, list[list[int]]]] = []
+    for i in range(problem.n):
+        sums = np.zeros((k, problem.dims))
+        sums[0] = costs[i]
+        members: list[list[int]] = [[i]] + [[] for _ in range(k - 1)]
+        heapq.heappush(heap, (-float(key[i]), i, sums, members))
+    tie = problem.n
+    while len(heap) > 1:
+        _, _, a_sums, a_members = heapq.heappop(heap)
+        _, _, b_sums, b_members = heapq.heappop(heap)
+        a_order = np.argsort(-a_sums.max(axis=1), kind="stable")
+        b_order = np.argsort(b_sums.max(axis=1), kind="stable")
+        sums = a_sums[a_order] + b_sums[b_order]
+        members = [a_members[i] + b_members[j] for i, j in zip(a_order, b_order)]
+        totals = sums.max(axis=1)
+        heapq.heappush(heap, (-float(totals.max() - totals.min()), tie, sums, members))
+        tie += 1
+    assignment = np.empty(problem.n, dtype=np.int64)
+    for b, items in enumerate(heap[0][3]):
+        assignment[items] = b
+    return repair(problem, assignment)
+
+
+def sequential(problem: PartitionProblem) -> np.ndarray:
+    """Arrival order, equal counts: bin b holds items [b*n/K, (b+1)*n/K)."""
+    assignment = (np.arange(problem.n) * problem.bins) // problem.n
+    if not problem.feasible(assignment):
+        raise InfeasibleError("the data-blind split (arrival order, equal counts) exceeds a per-bin cap")
+    return assignment
+
+
+def random_split(problem: PartitionProblem, seed: int = 0) -> np.ndarray:
+    order = np.random.default_rng(seed).permutation(problem.n)
+    assignment = np.empty(problem.n, dtype=np.int64)
+    assignment[order] = (np.arange(problem.n) * problem.bins) // problem.n
+    if not problem.feasible(assignment):
+        raise InfeasibleError("the random equal-count split exceeds a per-bin cap")
+    return assignment
+
+
+def repair(problem: PartitionProblem, assignment: np.ndarray) -> np.ndarray:
+    """Refill empty bins and move items out of bins over a cap (smallest moves first)."""
+    assignment = assignment.copy()
+    k = problem.bins
+    count = np.bincount(assignment, minlength=k)
+    for b in np.flatnonzero(count == 0):
+        donor = int(np.argmax(count))
+        items = np.flatnonzero(assignment == donor)
+        item = items[np.argmin(problem.costs[items].max(axis=1))]
+        assignment[item] = b
+        count[donor] -= 1
+        count[b] += 1
+    if problem.resources is None or problem.feasible(assignment):
+        return assignment
+    held = np.zeros((k, len(problem.caps)))
+    np.add.at(held, assignment, problem.resources)
+    costs = problem.costs
+    loads = np.zeros((k, problem.dims))
+    np.add.at(loads, assignment, costs)
+    for b in range(k):
+        while (held[b] > problem.caps * (1 + 1e-9)).any():
+            items = np.flatnonzero(assignment == b)
+            item = items[np.argmin(costs[items].max(axis=1))]
+            room = _room(problem, held, item)
+            room[b] = False
+            if not room.any() or len(items) == 1:
+                raise _no_room(problem, item)
+            target = int(np.argmin(np.where(room, (loads + costs[item]).max(axis=1), np.inf)))
+            assignment[item] = target
+            held[b] -= problem.resources[item]
+            held[target] += problem.resources[item]
+            loads[b] -= costs[item]
+            loads[target] += costs[item]
+    return assignment

@@ -1,0 +1,94 @@
+"""From K balanced bins to (replica, microbatch) slots, and the microbatch order.
+
+The partitioner balances bins; which bin becomes which replica's which
+microbatch still matters. Encoder microbatch k is the union of the bins in
+column k, so columns are filled to balance their encoder load; each replica's
+total over its microbatches decides when it finishes, so within a column the
+bins go to the replicas with the least total so far. Finally the order in
+which microbatches enter the pipeline: the first one's forward is the
+warm-up's critical path and the last one's backward the cool-down's, so light
+microbatches belong at both ends ("light-ends"). When an evaluator is given,
+the candidate orders are timed and the fastest is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+ORDERS = ("as-solved", "light-ends", "ascending", "descending")
+
+
+def _columns(loads: np.ndarray, replicas: int, microbatches: int, key_dim: int) -> list[list[int]]:
+    """Bins dealt into ``microbatches`` columns of ``replicas`` bins, balancing ``key_dim``."""
+    key = loads[:, key_dim] if loads.size else np.zeros(0)
+    columns: list[list[int]] = [[] for _ in range(microbatches)]
+    totals = np.zeros(microbatches)
+    for b in np.argsort(-key, kind="stable"):
+        open_cols = [k for k in range(microbatches) if len(columns[k]) < replicas]
+        k = min(open_cols, key=lambda c: (totals[c], c))
+        columns[k].append(int(b))
+        totals[k] += key[b]
+    return columns
+
+
+def _order(column_loads: np.ndarray, how: str) -> np.ndarray:
+    m = len(column_loads)
+    if how == "as-solved":
+        return np.arange(m)
+    by_load = np.argsort(column_loads, kind="stable")
+    if how == "ascending":
+        return by_load
+    if how == "descending":
+        return by_load[::-1]
+    order = np.empty(m, dtype=np.int64)  # light-ends: lightest first, next lightest last, heavy inside
+    left, right = 0, m - 1
+    for i, k in enumerate(by_load):
+        if i % 2 == 0:
+            order[left] = k
+            left += 1
+        else:
+            order[right] = k
+            right -= 1
+    return order
+
+
+def slot_bins(loads: np.ndarray, replicas: int, microbatches: int, *, encoder_dim: int | None,
+              order: str = "light-ends",
+              evaluate: Callable[[np.ndarray], float] | None = None) -> tuple[np.ndarray, str]:
+    """Slot (``r * microbatches + k``) of every bin, and the order used.
+
+    ``evaluate(slot_of_bin)`` returns a step time for a candidate; with it every
+    order in ORDERS is tried and the fastest is kept.
+    """
+    k_bins = replicas * microbatches
+    if len(loads) != k_bins:
+        raise ValueError(f"{len(loads)} bins for {replicas} replicas x {microbatches} microbatches")
+    main_dim = int(np.argmax(loads.sum(axis=0)))
+    columns = _columns(loads, replicas, microbatches, encoder_dim if encoder_dim is not None else main_dim)
+    replica_of = np.empty(k_bins, dtype=np.int64)
+    totals = np.zeros(replicas)
+    for col in columns:
+        free = list(range(replicas))
+        for b in sorted(col, key=lambda b: -loads[b, main_dim]):
+            r = min(free, key=lambda x: (totals[x], x))
+            free.remove(r)
+            replica_of[b] = r
+            totals[r] += loads[b, main_dim]
+    column_loads = np.array([loads[col].sum(axis=0).max() if col else 0.0 for col in columns])
+
+    def slots_for(how: str) -> np.ndarray:
+        position = np.empty(microbatches, dtype=np.int64)
+        position[_order(column_loads, how)] = np.arange(microbatches)
+        slot = np.empty(k_bins, dtype=np.int64)
+        for k, col in enumerate(columns):
+            for b in col:
+                slot[b] = replica_of[b] * microbatches + position[k]
+        return slot
+
+    if evaluate is None:
+        return slots_for(order), order
+    timed = [(evaluate(slots_for(how)), i, how) for i, how in enumerate(ORDERS)]
+    best = min(timed)[2]
+    return slots_for(best), best

@@ -1,0 +1,159 @@
+"""Scheduling one global batch for a plan: costs, partition, slots, order.
+
+Each sample's cost on a module is its *marginal* time on that module's
+busiest pipeline stage at the expected microbatch size, t(avg + sample) -
+t(avg), from the cost model: summing these predicts a bin's time far better
+than each sample's time alone would (a lone sample runs at small-kernel
+efficiency). The encoder's cost is scaled by (LLM replicas / encoder
+replicas), since encoder microbatch k is the union of a column of LLM bins
+spread over the encoder replicas. With colocated placement the first LLM stage
+also runs the encoder, so its two dimensions are stage 0 and the busiest other
+stage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from dflop.cost.protocol import CostModel, StageSpec, WorkShape
+from dflop.errors import DflopError
+from dflop.schedule.problem import Partition, PartitionProblem
+from dflop.schedule.slots import slot_bins
+from dflop.schedule.solve import partition
+from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import Plan
+from dflop.workload.sample import SampleTable
+
+DATA_BLIND = ("sequential", "random")
+
+
+@dataclass(frozen=True, eq=False)
+class StepSchedule:
+    """One global batch split into (LLM replica x microbatch) bins."""
+
+    ids: tuple[str, ...]
+    """Sample ids of the batch, in batch order."""
+    assignment: np.ndarray
+    """Bin ``r * microbatches + k`` of every sample (replica r's microbatch k)."""
+    replicas: int
+    microbatches: int
+    partition: Partition | None = None
+    order: str = "as-solved"
+
+    def bins(self) -> list[list[list[str]]]:
+        """``bins[r][k]`` -> sample ids."""
+        out: list[list[list[str]]] = [[[] for _ in range(self.microbatches)] for _ in range(self.replicas)]
+        for sample, b in zip(self.ids, self.assignment):
+            out[b // self.microbatches][b % self.microbatches].append(sample)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        report = {}
+        if self.partition is not None:
+            p = self.partition
+            report = {"makespan": p.makespan, "lower_bound": p.lower_bound, "gap": p.gap,
+                      "status": p.status, "solver": p.solver, "seconds": p.seconds}
+        return {"replicas": self.replicas, "microbatches": self.microbatches, "order": self.order,
+                "bins": self.bins(), **report}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str = "schedule") -> "StepSchedule":
+        try:
+            replicas, m, bins = int(data["replicas"]), int(data["microbatches"]), data["bins"]
+            ids, assignment = [], []
+            for r, row in enumerate(bins):
+                for k, members in enumerate(row):
+                    for sample in members:
+                        ids.append(str(sample))
+                        assignment.append(r * m + k)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DflopError(f"{where}: not a step schedule ({exc})") from None
+        return cls(tuple(ids), np.array(assignment, dtype=np.int64), replicas, m, order=data.get("order", ""))
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json()))
+        tmp.replace(p)  # atomic: readers never see half a schedule
+        return p
+
+    def aligned(self, batch: SampleTable) -> np.ndarray:
+        """The assignment in ``batch``'s row order (for schedules read back from JSON)."""
+        where = {sample: b for sample, b in zip(self.ids, self.assignment)}
+        try:
+            return np.array([where[str(i)] for i in batch.ids], dtype=np.int64)
+        except KeyError as exc:
+            raise DflopError(f"schedule has no bin for sample {exc}") from None
+
+
+def _heaviest(cost: CostModel, specs: list[StageSpec], avg: WorkShape, sample: WorkShape) -> np.ndarray:
+    """Marginal fwd+bwd seconds of each sample on the stage that is busiest at ``avg``."""
+    best, best_time = None, -1.0
+    for spec in specs:
+        at_avg = cost.stage_cost(spec, avg)
+        t = float(at_avg.fwd + at_avg.bwd)
+        if t > best_time:
+            best, best_time = spec, t
+    with_sample = cost.stage_cost(best, WorkShape(avg.samples + sample.samples, avg.tiles + sample.tiles,
+                                                  avg.tokens + sample.tokens, avg.sum_sq + sample.sum_sq))
+    return np.maximum(np.asarray(with_sample.fwd + with_sample.bwd, dtype=float) - best_time, 0.0)
+
+
+def plan_costs(batch: SampleTable, plan: Plan, model: MLLMSpec, cost: CostModel) -> np.ndarray:
+    """(samples, dimensions) predicted seconds per sample on each balanced dimension."""
+    tokens = batch.llm_tokens.astype(float)
+    tiles = batch.tiles.astype(float)
+    k = plan.bins
+    llm_layers = plan.stage_layers("llm", model)
+    llm_specs = [StageSpec("llm", n, plan.llm.tp, first=i == 0, last=i == len(llm_layers) - 1)
+                 for i, n in enumerate(llm_layers)]
+    per_sample = WorkShape(np.ones(len(batch)), tiles, tokens, tokens * tokens)
+    avg = WorkShape(len(batch) / k, tiles.sum() / k, tokens.sum() / k, (tokens * tokens).sum() / k)
+    if plan.placement == "colocated":
+        enc = StageSpec("encoder", model.encoder.layers, plan.llm.tp, first=True, last=True)
+        first = _heaviest(cost, [llm_specs[0]], avg, per_sample) + \
+            _heaviest(cost, [enc], WorkShape(avg.samples, avg.tiles), WorkShape(per_sample.samples, tiles))
+        if len(llm_specs) == 1:
+            return first[:, None]
+        return np.stack([first, _heaviest(cost, llm_specs[1:], avg, per_sample)], axis=1)
+    enc_layers = plan.stage_layers("encoder", model)
+    enc_specs = [StageSpec("encoder", n, plan.encoder.tp, first=i == 0, last=i == len(enc_layers) - 1)
+                 for i, n in enumerate(enc_layers)]
+    chunks = plan.encoder.dp * plan.microbatches
+    enc_avg = WorkShape(len(batch) / chunks, tiles.sum() / chunks)
+    enc = _heaviest(cost, enc_specs, enc_avg, WorkShape(np.ones(len(batch)), tiles)) * plan.llm.dp / plan.encoder.dp
+    return np.stack([enc, _heaviest(cost, llm_specs, avg, per_sample)], axis=1)
+
+
+def schedule_batch(batch: SampleTable, plan: Plan, *, costs: np.ndarray, solver: str = "auto",
+                   time_limit: float = 0.5, caps: np.ndarray | None = None, seed: int = 0,
+                   backend: str = "cbc", order: str = "light-ends",
+                   evaluate: Callable[[np.ndarray], float] | None = None) -> StepSchedule:
+    """Partition ``batch`` into the plan's bins with ``solver``.
+
+    Data-blind solvers keep what data-blind frameworks do: bins in arrival order
+    straight onto (replica, microbatch) slots. Data-aware ones slot and order the
+    bins (see :mod:`dflop.schedule.slots`); ``evaluate`` times candidate orders.
+    ``caps`` bound (LLM tokens, tiles) per bin.
+    """
+    resources = None
+    if caps is not None:
+        resources = np.stack([batch.llm_tokens, batch.tiles], axis=1).astype(float)
+    problem = PartitionProblem(costs, plan.bins, resources, caps, batch.ids)
+    result = partition(problem, solver, time_limit=time_limit, seed=seed, backend=backend)
+    ids = tuple(str(i) for i in batch.ids)
+    if solver in DATA_BLIND:
+        return StepSchedule(ids, result.assignment, plan.llm.dp, plan.microbatches, result, "arrival")
+    encoder_dim = 0 if plan.placement == "disaggregated" else None
+
+    def timed(slot: np.ndarray) -> float:
+        return evaluate(slot[result.assignment]) if evaluate is not None else 0.0
+
+    slot, used = slot_bins(result.loads, plan.llm.dp, plan.microbatches, encoder_dim=encoder_dim,
+                           order=order, evaluate=timed if evaluate is not None else None)
+    return StepSchedule(ids, slot[result.assignment], plan.llm.dp, plan.microbatches, result, used)

@@ -1,0 +1,105 @@
+"""Metrics of any trace in the dflop format, computed by one function.
+
+Definitions (GPU-weighted: a worker of 4 GPUs counts 4 times):
+
+- step time: from a step's start to its end (the last gradient all-reduce);
+- busy time of a rank: the sum of its compute events;
+- bubble fraction: idle share of GPU time between a step's start and its last
+  compute op (pipeline bubbles, and waiting for slower replicas or modules);
+  for one pipeline with equal stages this is the textbook (p-1)/(m+p-1);
+- idle fraction: idle share over the whole step (the all-reduce tail included);
+- utilisation: 1 - idle fraction; MFU: model FLOPs / (GPUs x peak x time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dflop.trace.chrome import COMPUTE
+
+
+@dataclass(frozen=True)
+class TraceMetrics:
+    steps: int
+    step_time_s: list[float]
+    busy_s: list[float]
+    """Per rank (pid), summed over steps."""
+    idle_s: list[float]
+    bubble_fraction: float
+    idle_fraction: float
+    utilisation: float
+    mfu: float | None
+    peak_memory_gib: list[float]
+    oom: list[dict[str, Any]]
+
+    @property
+    def step_time_mean(self) -> float:
+        return float(np.mean(self.step_time_s))
+
+    @property
+    def step_time_p50(self) -> float:
+        return float(np.median(self.step_time_s))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "step_time_s": {"mean": self.step_time_mean, "p50": self.step_time_p50,
+                                                     "each": self.step_time_s},
+                "bubble_fraction": self.bubble_fraction, "idle_fraction": self.idle_fraction,
+                "utilisation": self.utilisation, "mfu": self.mfu,
+                "peak_memory_gib": max(self.peak_memory_gib, default=0.0), "oom": self.oom}
+
+
+def metrics(doc: dict[str, Any]) -> TraceMetrics:
+    other = doc.get("otherData", {})
+    events = doc["traceEvents"]
+    compute = [e for e in events if e.get("ph") == "X" and e.get("tid") == COMPUTE]
+    pids = sorted({e["pid"] for e in events if "pid" in e and e.get("ph") in ("X", "C")}
+                  | set(range(len(other.get("workers", [])))))
+    workers = other.get("workers", [])
+    weight = {pid: len(workers[pid]["gpus"]) if pid < len(workers) else 1 for pid in pids}
+    steps = other.get("steps") or [_whole(events)]
+    n = len(pids)
+    index = {pid: i for i, pid in enumerate(pids)}
+    busy = np.zeros(n)
+    step_times, compute_spans = [], []
+    flops = 0.0
+    for e in compute:
+        busy[index[e["pid"]]] += e["dur"]
+        flops += e.get("args", {}).get("flops", 0.0) * weight[e["pid"]]
+    for s in steps:
+        step_times.append((s["end_us"] - s["start_us"]) / 1e6)
+        compute_spans.append((s.get("compute_end_us", s["end_us"]) - s["start_us"]) / 1e6)
+    gpus = sum(weight.values())
+    total_busy = float(sum(busy[index[p]] * weight[p] for p in pids)) / 1e6
+    total_step, total_compute = sum(step_times), sum(compute_spans)
+    peaks = [0.0] * n
+    for e in events:
+        if e.get("ph") == "C" and e.get("pid") in index:
+            i = index[e["pid"]]
+            peaks[i] = max(peaks[i], e["args"].get("GiB", 0.0))
+    peak_flops = other.get("peak_flops")
+    idle_fraction = 1.0 - total_busy / (gpus * total_step) if total_step > 0 else 0.0
+    return TraceMetrics(
+        steps=len(steps),
+        step_time_s=step_times,
+        busy_s=(busy / 1e6).tolist(),
+        idle_s=(total_step - busy / 1e6).tolist(),
+        bubble_fraction=1.0 - total_busy / (gpus * total_compute) if total_compute > 0 else 0.0,
+        idle_fraction=idle_fraction,
+        utilisation=1.0 - idle_fraction,
+        mfu=flops / (gpus * peak_flops * total_step) if peak_flops and total_step > 0 else None,
+        peak_memory_gib=peaks,
+        oom=other.get("oom", []),
+    )
+
+
+def _whole(events: list[dict[str, Any]]) -> dict[str, float]:
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X"]
+    if not spans:
+        return {"start_us": 0.0, "end_us": 0.0}
+    compute_end = max((e["ts"] + e["dur"] for e in events if e.get("ph") == "X" and e.get("tid") == COMPUTE),
+                      default=0.0)
+    return {"start_us": min(s for s, _ in spans), "end_us": max(t for _, t in spans),
+            "compute_end_us": compute_end}

@@ -1,0 +1,80 @@
+"""``simulate_pipeline``: one pipeline from per-stage, per-microbatch times."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dflop.program.costing import stage_times_timing
+from dflop.program.graph import expand
+from dflop.program.schedules import build, splits_backward
+from dflop.program.template import build_template
+from dflop.sim.engine import execute
+from dflop.sim.record import record, worker_records
+from dflop.specs.plan import ModulePlan, Plan
+from dflop.trace.chrome import TraceBuilder
+from dflop.trace.metrics import metrics
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    step_time: float
+    """Seconds."""
+    bubble_fraction: float
+    trace: dict[str, Any]
+
+
+def _grid(values: Any, stages: int, m: int, name: str) -> np.ndarray:
+    a = np.asarray(values, dtype=float)
+    if a.ndim == 0:
+        a = np.full((stages, m), float(a))
+    elif a.ndim == 1:
+        a = np.repeat(a[:, None], m, axis=1)
+    if a.shape != (stages, m):
+        raise ValueError(f"{name}: expected shape ({stages}, {m}) (stages x microbatches), got {a.shape}")
+    if (a < 0).any():
+        raise ValueError(f"{name}: times must not be negative")
+    return a
+
+
+def simulate_pipeline(fwd: Any, bwd: Any, *, schedule: str = "1F1B", microbatches: int | None = None,
+                      p2p: float = 0.0, bwd_weight: Any = None, virtual_stages: int = 1,
+                      contention: bool = False) -> PipelineResult:
+    """Simulate one pipeline.
+
+    ``fwd`` and ``bwd`` are seconds per (stage, microbatch), as arrays of shape
+    (stages, microbatches), or per stage, or one number (then ``microbatches``
+    says how many); stages count virtual stages. For schedules that split the
+    backward (ZBH1, InterleavedZeroBubble) ``bwd`` is the input-gradient part and
+    ``bwd_weight`` the weight-gradient part (default: ``bwd`` split in half).
+    ``p2p`` is the seconds of one transfer between adjacent stages.
+    """
+    fwd_a = np.asarray(fwd, dtype=float)
+    m = microbatches or (fwd_a.shape[1] if fwd_a.ndim == 2 else None)
+    if m is None:
+        raise ValueError("give microbatches, or fwd as a (stages, microbatches) array")
+    stages = fwd_a.shape[0] if fwd_a.ndim >= 1 else virtual_stages
+    pp = stages // virtual_stages
+    f = _grid(fwd, stages, m, "fwd")
+    b = _grid(bwd, stages, m, "bwd")
+    if splits_backward(schedule):
+        w = _grid(bwd_weight, stages, m, "bwd_weight") if bwd_weight is not None else b / 2
+        i = b if bwd_weight is not None else b / 2
+    else:
+        w = _grid(bwd_weight, stages, m, "bwd_weight") if bwd_weight is not None else np.zeros_like(b)
+        i = b
+    program = build(schedule, pp, m, virtual_stages)
+    plan = Plan(encoder=ModulePlan(tp=1, dp=1), llm=ModulePlan(tp=1, pp=pp, dp=1), placement="colocated",
+                microbatches=m, schedule=program.name, virtual_stages=virtual_stages)
+    template = build_template(plan, program)
+    graph = expand(stage_times_timing(template, f, i, w, p2p))
+    ex = execute(graph, contention=contention, track_memory=False)
+    trace = TraceBuilder()
+    trace.set_workers(worker_records(graph))
+    record(trace, graph, ex, step=0, offset_ns=0, memory=False)
+    compute_end = int(ex.end[[o for o in range(len(graph)) if graph.worker[o] >= 0]].max())
+    trace.step(0, 0, compute_end, ex.makespan)
+    doc = trace.document()
+    return PipelineResult(ex.makespan / 1e9, metrics(doc).bubble_fraction, doc)
