@@ -9,7 +9,7 @@ from dflop.schedule.improve import improve
 from dflop.schedule.problem import PartitionProblem
 from dflop.schedule.solve import SOLVERS, partition
 
-FAST = ("lpt", "kk", "sequential", "random", "auto")
+FAST = ("lpt", "kk", "greedy", "sequential", "random", "auto")
 NODES = 20  # node limits make ILP answers repeatable (wall-time limits do not)
 
 
@@ -95,7 +95,7 @@ def test_clear_errors():
         PartitionProblem(np.ones(3), 2, np.array([[4.0], [4.0], [4.0]]), np.array([5.0]))
     with pytest.raises(DflopError, match=r"unknown solver 'fast' \(known: auto, ilp"):
         partition(PartitionProblem(np.ones(3), 2), "fast")
-    assert set(SOLVERS) == {"auto", "ilp", "lpt", "kk", "sequential", "random"}
+    assert set(SOLVERS) == {"auto", "ilp", "greedy", "lpt", "kk", "sequential", "random"}
 
 
 def known_optimum(rng, k, per_bin, dims=2, target=1000):

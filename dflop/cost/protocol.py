@@ -31,6 +31,11 @@ class StageSpec:
     last: bool = False
     """Holds the output side: projector (encoder) or final norm, LM head and loss (LLM)."""
 
+    @classmethod
+    def of(cls, module: Literal["encoder", "llm"], layers: tuple[int, ...], stage: int, tp: int) -> "StageSpec":
+        """Stage ``stage`` of a module split into ``layers`` per stage."""
+        return cls(module, layers[stage], tp, first=stage == 0, last=stage == len(layers) - 1)
+
 
 @dataclass(frozen=True)
 class WorkShape:

@@ -13,6 +13,7 @@ import io
 import re
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 from dflop.errors import DflopError
 
@@ -69,7 +70,7 @@ class Program:
     def num_ranks(self) -> int:
         return len(self.ranks)
 
-    @property
+    @cached_property
     def lowered(self) -> bool:
         """True once send/recv actions have been added."""
         return any(not a.kind.is_compute for actions in self.ranks for a in actions)

@@ -22,7 +22,7 @@ from dflop.program.actions import Kind
 from dflop.program.template import Template
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
-from dflop.specs.plan import Placement, place
+from dflop.specs.plan import Placement, Plan, place
 from dflop.workload.sample import SampleTable
 
 NS = 1e9
@@ -120,6 +120,25 @@ def encoder_chunks(batch: SampleTable, assignment: np.ndarray, llm_dp: int, micr
     return out
 
 
+def stage_param_count(model: MLLMSpec, layers: tuple[int, ...], module: str, stage: int,
+                      colocated: bool) -> float:
+    """Parameters of a module-local stage; a colocated LLM stage 0 also holds the encoder."""
+    n = stage_params(model, StageSpec.of(module, layers, stage, 1))
+    if module == "llm" and stage == 0 and colocated:
+        n += stage_params(model, StageSpec("encoder", model.encoder.layers, 1, first=True, last=True))
+    return float(n)
+
+
+def group_state(plan: Plan, model: MLLMSpec, training: TrainingSpec, layers: dict[str, tuple[int, ...]],
+                module: str, stages: tuple[int, ...], tp: int) -> tuple[float, float]:
+    """(parameters, model-state bytes per GPU) of one pipeline rank holding ``stages``."""
+    colocated = plan.placement == "colocated"
+    params = sum(stage_param_count(model, layers[module], module, s, colocated) for s in stages)
+    layer = max(stage_params(model, StageSpec(module, 1)), 1)
+    dp = plan.module(module).dp
+    return params, float(sum(state_bytes(params, tp, dp, plan.zero, training, layer)))
+
+
 def _link(cluster: ClusterSpec, a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, float]:
     """(bandwidth per GPU, latency) between two GPU groups."""
     hw = cluster.hardware
@@ -165,25 +184,16 @@ class StepBuilder:
         return np.array([p[0] * tp for p in pairs]), np.array([p[1] for p in pairs])
 
     def stage_spec(self, module: str, stage: int, tp: int) -> StageSpec:
-        layers = self.layers[module]
-        return StageSpec(module, layers[stage], tp, first=stage == 0, last=stage == len(layers) - 1)
-
-    def stage_param_count(self, module: str, stage: int) -> float:
-        n = stage_params(self.model, self.stage_spec(module, stage, 1))
-        if module == "llm" and stage == 0 and self.t.colocated:
-            enc = StageSpec("encoder", self.model.encoder.layers, 1, first=True, last=True)
-            n += stage_params(self.model, enc)
-        return float(n)
+        return StageSpec.of(module, self.layers[module], stage, tp)
 
     def _state(self) -> tuple[np.ndarray, np.ndarray]:
         plan = self.plan
         static = np.zeros(len(self.t.groups))
         allreduce = np.zeros(len(self.t.groups), dtype=np.int64)
         for g in self.t.groups:
+            params, static[g.index] = group_state(plan, self.model, self.training, self.layers, g.module,
+                                                  g.stages, g.tp)
             dp = plan.module(g.module).dp
-            params = sum(self.stage_param_count(g.module, s) for s in g.stages)
-            layer = max(stage_params(self.model, StageSpec(g.module, 1)), 1)
-            static[g.index] = sum(state_bytes(params, g.tp, dp, plan.zero, self.training, layer))
             if plan.zero == 3 or dp == 1:
                 continue
             everyone = tuple(x for reps in self.gpus[g.index] for x in reps)
@@ -235,7 +245,8 @@ class _Costing:
         gradients after; prefetching hides it behind compute when compute is longer."""
         b = self.b
         hw, dp = b.cluster.hardware, b.plan.llm.dp
-        gather = float(allgather_time(b.stage_param_count("llm", stage) / tp * b.training.weight_bytes,
+        params = stage_param_count(b.model, b.layers["llm"], "llm", stage, b.t.colocated)
+        gather = float(allgather_time(params / tp * b.training.weight_bytes,
                                       dp, hw.inter_node_bandwidth, hw.inter_node_latency))
         nonempty = np.asarray(cost.fwd) > 0
         fwd = np.where(nonempty, np.maximum(cost.fwd, gather), 0.0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import lru_cache
 
 from dflop.errors import DflopError
 from dflop.program.actions import Action, Kind, Program
@@ -78,13 +79,21 @@ class Template:
         return "llm", program_stage - self.encoder_stages
 
 
+@lru_cache(maxsize=512)
+def checked(name: str, pp: int, m: int, v: int) -> Program:
+    """A named schedule, built and checked once (programs are pure functions of these four)."""
+    program = build(name, pp, m, v)
+    check_program(program)
+    return program
+
+
 def program_for(plan: Plan) -> tuple[Program, int]:
     """The plan's pipeline program and how many of its stages are encoder stages."""
     if plan.placement == "colocated":
-        return build(plan.schedule, plan.llm.pp, plan.microbatches, plan.virtual_stages), 0
+        return checked(plan.schedule, plan.llm.pp, plan.microbatches, plan.virtual_stages), 0
     if plan.virtual_stages > 1:
         raise DflopError("virtual stages need colocated placement")
-    return build(plan.schedule, plan.encoder.pp + plan.llm.pp, plan.microbatches), plan.encoder.pp
+    return checked(plan.schedule, plan.encoder.pp + plan.llm.pp, plan.microbatches, 1), plan.encoder.pp
 
 
 def build_template(plan: Plan, program: Program | None = None) -> Template:
@@ -92,7 +101,7 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
         program, encoder_stages = program_for(plan)
     else:
         encoder_stages = 0 if plan.placement == "colocated" else plan.encoder.pp
-    check_program(program)
+        check_program(program)
     last_stage = program.stages - 1
     groups = []
     for rank in range(program.num_ranks):

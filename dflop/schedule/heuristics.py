@@ -43,28 +43,38 @@ def lpt(problem: PartitionProblem) -> np.ndarray:
     k, dims = problem.bins, range(problem.dims)
     columns = [problem.costs[:, d].tolist() for d in dims]
     loads = [[0.0] * k for _ in dims]
-    caps = None if problem.resources is None else problem.caps * (1 + 1e-9)
-    held = None if caps is None else np.zeros((k, len(caps)))
+    key, count = [0.0] * k, [0] * k
     heap = [(0.0, 0, b) for b in range(k)]
+    capped = problem.resources is not None
+    if capped:
+        caps = problem.caps * (1 + 1e-9)
+        held = np.zeros((k, len(caps)))
+        room = [list(caps) for _ in range(k)]  # caps - held, as floats for the fast path
+        needs = problem.resources.tolist()
+        key_np, count_np = np.zeros(k), np.zeros(k)
     assignment = [0] * problem.n
     for item in np.argsort(-problem.costs.max(axis=1), kind="stable").tolist():
-        skipped = []
-        while True:
-            if not heap:
-                raise _no_room(problem, item)
-            entry = heapq.heappop(heap)
-            b = entry[2]
-            if held is None or (held[b] + problem.resources[item] <= caps).all():
+        while True:  # lazy deletion: entries whose bin has changed since are stale
+            _, _, b = heap[0]
+            if heap[0][0] == key[b] and heap[0][1] == count[b]:
                 break
-            skipped.append(entry)
+            heapq.heappop(heap)
+        if capped and any(r > left for r, left in zip(needs[item], room[b])):
+            fits = (held + problem.resources[item] <= caps).all(axis=1)
+            if not fits.any():
+                raise _no_room(problem, item)
+            order = np.lexsort((count_np, key_np))  # lightest bin with room, fewer items first
+            b = int(order[fits[order]][0])
         for d in dims:
             loads[d][b] += columns[d][item]
-        if held is not None:
-            held[b] += problem.resources[item]
         assignment[item] = b
-        heapq.heappush(heap, (max(loads[d][b] for d in dims), entry[1] + 1, b))
-        for other in skipped:
-            heapq.heappush(heap, other)
+        key[b] = max(loads[d][b] for d in dims)
+        count[b] += 1
+        heapq.heappush(heap, (key[b], count[b], b))
+        if capped:
+            held[b] += problem.resources[item]
+            room[b] = [left - r for left, r in zip(room[b], needs[item])]
+            key_np[b], count_np[b] = key[b], count[b]
     return np.array(assignment, dtype=np.int64)
 
 

@@ -7,7 +7,8 @@ the pair most balanced. A round that finds none ends the search. Every
 accepted step lowers (makespan, number of bins at the makespan)
 lexicographically, so the search terminates; it never breaks a cap and never
 empties a bin. Candidate partners are the lightest bins first (where moves
-succeed), the rest only when those fail.
+succeed), the rest only when those fail. Members are kept per bin, so a round
+costs what the critical bin and its partners hold, not the whole batch.
 """
 
 from __future__ import annotations
@@ -18,103 +19,118 @@ import numpy as np
 
 from dflop.schedule.problem import REL_EPS, PartitionProblem
 
-PARTNERS = 8
+PARTNERS = (8, 64)
+"""Partner windows tried in turn (the lightest bins first); then every other bin, unless
+``every_partner`` is off."""
 
 
-def _pair_caps_ok(problem: PartitionProblem, held: np.ndarray, crit: int, partners: np.ndarray,
-                  out_items: np.ndarray, in_items: np.ndarray | None) -> np.ndarray:
-    """Feasibility of moving ``out_items`` (crit -> partner) [and ``in_items`` back]."""
-    if problem.resources is None:
-        shape = (len(out_items), len(partners)) if in_items is None else (len(out_items), len(in_items))
-        return np.ones(shape, dtype=bool)
-    caps = problem.caps * (1 + REL_EPS)
-    r_out = problem.resources[out_items]
-    if in_items is None:
-        to_partner = held[partners][None, :, :] + r_out[:, None, :]
-        return (to_partner <= caps).all(axis=2)
-    r_in = problem.resources[in_items]
-    delta = r_out[:, None, :] - r_in[None, :, :]
-    crit_ok = (held[crit][None, None, :] - delta <= caps).all(axis=2)
-    partner_of_in = partners  # per in-item partner bin
-    partner_ok = (held[partner_of_in][None, :, :] + delta <= caps).all(axis=2)
-    return crit_ok & partner_ok
+class _State:
+    def __init__(self, problem: PartitionProblem, assignment: np.ndarray) -> None:
+        self.p = problem
+        self.assignment = assignment
+        self.loads = problem.loads(assignment)
+        self.members: list[list[int]] = [[] for _ in range(problem.bins)]
+        for item, b in enumerate(assignment.tolist()):
+            self.members[b].append(item)
+        self._arrays: dict[int, np.ndarray] = {}
+        self.capped = problem.resources is not None
+        if self.capped:
+            self.caps = problem.caps * (1 + REL_EPS)
+            self.held = np.stack([np.bincount(assignment, weights=problem.resources[:, r], minlength=problem.bins)
+                                  for r in range(len(problem.caps))], axis=1)
+            self.largest = problem.resources.max(axis=0)
+
+    def items(self, b: int) -> np.ndarray:
+        if b not in self._arrays:
+            self._arrays[b] = np.array(self.members[b], dtype=np.int64)
+        return self._arrays[b]
+
+    def tight(self, bins: np.ndarray) -> bool:
+        """Whether any of these bins is close enough to a cap for a move to break it."""
+        return self.capped and bool(((self.caps - self.held[bins]) < self.largest).any())
+
+    def move(self, item: int, src: int, dst: int) -> None:
+        self.assignment[item] = dst
+        self.loads[src] -= self.p.costs[item]
+        self.loads[dst] += self.p.costs[item]
+        self.members[src].remove(item)
+        self.members[dst].append(item)
+        self._arrays.pop(src, None)
+        self._arrays.pop(dst, None)
+        if self.capped:
+            self.held[src] -= self.p.resources[item]
+            self.held[dst] += self.p.resources[item]
 
 
-def _best_move(problem, loads, held, assignment, crit, partners, limit):
-    items = np.flatnonzero(assignment == crit)
+def _best_move(s: _State, crit: int, partners: np.ndarray, limit: float):
+    items = s.items(crit)
     if len(items) < 2:
         return None
-    c = problem.costs[items]
-    crit_after = (loads[crit][None, :] - c).max(axis=1)                       # (items,)
-    partner_after = (loads[partners][None, :, :] + c[:, None, :]).max(axis=2)  # (items, partners)
+    c = s.p.costs[items]
+    crit_after = (s.loads[crit][None, :] - c).max(axis=1)
+    partner_after = (s.loads[partners][None, :, :] + c[:, None, :]).max(axis=2)
     worst = np.maximum(crit_after[:, None], partner_after)
-    worst[~_pair_caps_ok(problem, held, crit, partners, items, None)] = np.inf
+    if s.tight(partners):
+        fits = ((s.held[partners][None, :, :] + s.p.resources[items][:, None, :]) <= s.caps).all(axis=2)
+        worst[~fits] = np.inf
     i, j = np.unravel_index(np.argmin(worst), worst.shape)
-    if worst[i, j] < limit:
-        return items[i], None, partners[j], worst[i, j]
-    return None
+    return (items[i], None, partners[j]) if worst[i, j] < limit else None
 
 
-def _best_swap(problem, loads, held, assignment, crit, partners, limit):
-    items = np.flatnonzero(assignment == crit)
-    others = np.flatnonzero(np.isin(assignment, partners))
+def _best_swap(s: _State, crit: int, partners: np.ndarray, limit: float):
+    items = s.items(crit)
+    groups = [s.items(b) for b in partners]
+    others = np.concatenate(groups)
     if not len(others):
         return None
-    c_out, c_in = problem.costs[items], problem.costs[others]
-    delta = c_out[:, None, :] - c_in[None, :, :]                               # (out, in, D)
-    crit_after = (loads[crit][None, None, :] - delta).max(axis=2)
-    other_bins = assignment[others]
-    partner_after = (loads[other_bins][None, :, :] + delta).max(axis=2)
+    other_bins = np.repeat(partners, [len(g) for g in groups])
+    delta = s.p.costs[items][:, None, :] - s.p.costs[others][None, :, :]
+    crit_after = (s.loads[crit][None, None, :] - delta).max(axis=2)
+    partner_after = (s.loads[other_bins][None, :, :] + delta).max(axis=2)
     worst = np.maximum(crit_after, partner_after)
-    worst[~_pair_caps_ok(problem, held, crit, other_bins, items, others)] = np.inf
+    if s.tight(np.append(partners, crit)):
+        moved = s.p.resources[items][:, None, :] - s.p.resources[others][None, :, :]
+        fits = ((s.held[crit] - moved <= s.caps).all(axis=2)
+                & (s.held[other_bins][None, :, :] + moved <= s.caps).all(axis=2))
+        worst[~fits] = np.inf
     i, j = np.unravel_index(np.argmin(worst), worst.shape)
-    if worst[i, j] < limit:
-        return items[i], others[j], other_bins[j], worst[i, j]
-    return None
+    return (items[i], others[j], other_bins[j]) if worst[i, j] < limit else None
 
 
 def improve(problem: PartitionProblem, assignment: np.ndarray, deadline: float | None = None,
-            target: float = 0.0, max_rounds: int = 100_000) -> np.ndarray:
+            target: float = 0.0, max_rounds: int = 100_000, every_partner: bool = True) -> np.ndarray:
     """Locally optimal (no improving move or swap) version of ``assignment``; stops early at
-    ``deadline`` or once the makespan is down to ``target``."""
-    assignment = assignment.copy()
-    k = problem.bins
-    if k == 1:
-        return assignment
-    loads = problem.loads(assignment)
-    held = np.zeros((k, 0 if problem.resources is None else len(problem.caps)))
-    if problem.resources is not None:
-        np.add.at(held, assignment, problem.resources)
+    ``deadline`` or once the makespan is down to ``target``. Without ``every_partner`` only the
+    lightest bins are tried as partners (cheaper; not a local optimum over all bins)."""
+    if problem.bins == 1:
+        return assignment.copy()
+    s = _State(problem, assignment.copy())
     for _ in range(max_rounds):
         if deadline is not None and time.perf_counter() > deadline:
             break
-        bin_max = loads.max(axis=1)
+        bin_max = s.loads.max(axis=1)
         makespan = bin_max.max()
         if makespan <= target:
             break
         limit = makespan * (1 - REL_EPS)
+        order = np.argsort(bin_max, kind="stable")
         step = None
         for crit in np.flatnonzero(bin_max >= limit):
-            order = np.argsort(bin_max, kind="stable")
-            order = order[order != crit]
-            for partners in (order[:PARTNERS], order[PARTNERS:]):
-                if not len(partners):
-                    continue
-                step = (_best_move(problem, loads, held, assignment, crit, partners, limit)
-                        or _best_swap(problem, loads, held, assignment, crit, partners, limit))
+            rest = order[order != crit]
+            windows = [rest[a:b] for a, b in zip((0,) + PARTNERS, PARTNERS)]
+            if every_partner:
+                windows.append(rest[PARTNERS[-1]:])
+            for partners in windows:
+                if len(partners):
+                    step = _best_move(s, crit, partners, limit) or _best_swap(s, crit, partners, limit)
                 if step is not None:
                     break
             if step is not None:
                 break
         if step is None:
             break
-        out_item, in_item, partner, _ = step
-        moved = [(out_item, crit, partner)] + ([(in_item, partner, crit)] if in_item is not None else [])
-        for item, src, dst in moved:
-            assignment[item] = dst
-            loads[src] -= problem.costs[item]
-            loads[dst] += problem.costs[item]
-            if problem.resources is not None:
-                held[src] -= problem.resources[item]
-                held[dst] += problem.resources[item]
-    return assignment
+        out_item, in_item, partner = step
+        s.move(int(out_item), int(crit), int(partner))
+        if in_item is not None:
+            s.move(int(in_item), int(partner), int(crit))
+    return s.assignment

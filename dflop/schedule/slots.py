@@ -13,6 +13,7 @@ the candidate orders are timed and the fastest is kept.
 
 from __future__ import annotations
 
+import heapq
 from typing import Callable
 
 import numpy as np
@@ -20,17 +21,17 @@ import numpy as np
 ORDERS = ("as-solved", "light-ends", "ascending", "descending")
 
 
-def _columns(loads: np.ndarray, replicas: int, microbatches: int, key_dim: int) -> list[list[int]]:
-    """Bins dealt into ``microbatches`` columns of ``replicas`` bins, balancing ``key_dim``."""
-    key = loads[:, key_dim] if loads.size else np.zeros(0)
-    columns: list[list[int]] = [[] for _ in range(microbatches)]
-    totals = np.zeros(microbatches)
-    for b in np.argsort(-key, kind="stable"):
-        open_cols = [k for k in range(microbatches) if len(columns[k]) < replicas]
-        k = min(open_cols, key=lambda c: (totals[c], c))
-        columns[k].append(int(b))
-        totals[k] += key[b]
-    return columns
+def _deal(keys: np.ndarray, groups: int, size: int) -> list[list[int]]:
+    """Items (largest key first) dealt into ``groups`` groups of ``size``, each to the lightest
+    group that still has room."""
+    out: list[list[int]] = [[] for _ in range(groups)]
+    heap = [(0.0, g) for g in range(groups)]
+    for item in np.argsort(-keys, kind="stable").tolist():
+        total, g = heapq.heappop(heap)
+        out[g].append(item)
+        if len(out[g]) < size:
+            heapq.heappush(heap, (total + float(keys[item]), g))
+    return out
 
 
 def _order(column_loads: np.ndarray, how: str) -> np.ndarray:
@@ -66,14 +67,13 @@ def slot_bins(loads: np.ndarray, replicas: int, microbatches: int, *, encoder_di
     if len(loads) != k_bins:
         raise ValueError(f"{len(loads)} bins for {replicas} replicas x {microbatches} microbatches")
     main_dim = int(np.argmax(loads.sum(axis=0)))
-    columns = _columns(loads, replicas, microbatches, encoder_dim if encoder_dim is not None else main_dim)
+    columns = _deal(loads[:, encoder_dim if encoder_dim is not None else main_dim], microbatches, replicas)
     replica_of = np.empty(k_bins, dtype=np.int64)
     totals = np.zeros(replicas)
-    for col in columns:
-        free = list(range(replicas))
-        for b in sorted(col, key=lambda b: -loads[b, main_dim]):
-            r = min(free, key=lambda x: (totals[x], x))
-            free.remove(r)
+    for col in columns:  # within a column, the heaviest bin to the replica with the least so far
+        by_total = np.argsort(totals, kind="stable")
+        heavy_first = sorted(col, key=lambda b: -loads[b, main_dim])
+        for b, r in zip(heavy_first, by_total):
             replica_of[b] = r
             totals[r] += loads[b, main_dim]
     column_loads = np.array([loads[col].sum(axis=0).max() if col else 0.0 for col in columns])

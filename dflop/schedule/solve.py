@@ -18,7 +18,9 @@ from dflop.schedule import heuristics, ilp
 from dflop.schedule.improve import improve
 from dflop.schedule.problem import Partition, PartitionProblem, finish
 
-SOLVERS = ("auto", "ilp", "lpt", "kk", "sequential", "random")
+SOLVERS = ("auto", "ilp", "greedy", "lpt", "kk", "sequential", "random")
+"""greedy: LPT then exact local search until within GOOD_ENOUGH of the bound; deterministic and
+fast (what auto tries before the ILP)."""
 GOOD_ENOUGH = 1e-4
 """auto stops before the ILP when the heuristic is within this gap of the lower bound."""
 
@@ -51,6 +53,10 @@ def partition(problem: PartitionProblem, solver: str = "auto", *, time_limit: fl
     if name in simple:
         assignment = simple[name](problem)
         return finish(problem, assignment, name, time.perf_counter() - start)
+    if name == "greedy":
+        target = problem.lower_bound() * (1 + GOOD_ENOUGH)
+        assignment = improve(problem, heuristics.lpt(problem), target=target)
+        return finish(problem, assignment, name, time.perf_counter() - start, searched=True)
     warm = _heuristic(problem, deadline)
     bound = problem.lower_bound()
     if name == "auto" and (problem.makespan(warm) <= bound * (1 + GOOD_ENOUGH) or time.perf_counter() > deadline):

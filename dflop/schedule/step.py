@@ -110,8 +110,7 @@ def plan_costs(batch: SampleTable, plan: Plan, model: MLLMSpec, cost: CostModel)
     tiles = batch.tiles.astype(float)
     k = plan.bins
     llm_layers = plan.stage_layers("llm", model)
-    llm_specs = [StageSpec("llm", n, plan.llm.tp, first=i == 0, last=i == len(llm_layers) - 1)
-                 for i, n in enumerate(llm_layers)]
+    llm_specs = [StageSpec.of("llm", llm_layers, i, plan.llm.tp) for i in range(len(llm_layers))]
     per_sample = WorkShape(np.ones(len(batch)), tiles, tokens, tokens * tokens)
     avg = WorkShape(len(batch) / k, tiles.sum() / k, tokens.sum() / k, (tokens * tokens).sum() / k)
     if plan.placement == "colocated":
@@ -122,8 +121,7 @@ def plan_costs(batch: SampleTable, plan: Plan, model: MLLMSpec, cost: CostModel)
             return first[:, None]
         return np.stack([first, _heaviest(cost, llm_specs[1:], avg, per_sample)], axis=1)
     enc_layers = plan.stage_layers("encoder", model)
-    enc_specs = [StageSpec("encoder", n, plan.encoder.tp, first=i == 0, last=i == len(enc_layers) - 1)
-                 for i, n in enumerate(enc_layers)]
+    enc_specs = [StageSpec.of("encoder", enc_layers, i, plan.encoder.tp) for i in range(len(enc_layers))]
     chunks = plan.encoder.dp * plan.microbatches
     enc_avg = WorkShape(len(batch) / chunks, tiles.sum() / chunks)
     enc = _heaviest(cost, enc_specs, enc_avg, WorkShape(np.ones(len(batch)), tiles)) * plan.llm.dp / plan.encoder.dp
@@ -133,19 +131,22 @@ def plan_costs(batch: SampleTable, plan: Plan, model: MLLMSpec, cost: CostModel)
 def schedule_batch(batch: SampleTable, plan: Plan, *, costs: np.ndarray, solver: str = "auto",
                    time_limit: float = 0.5, caps: np.ndarray | None = None, seed: int = 0,
                    backend: str = "cbc", order: str = "light-ends",
-                   evaluate: Callable[[np.ndarray], float] | None = None) -> StepSchedule:
+                   evaluate: Callable[[np.ndarray], float] | None = None,
+                   partitioner: Callable[[PartitionProblem], Partition] | None = None) -> StepSchedule:
     """Partition ``batch`` into the plan's bins with ``solver``.
 
     Data-blind solvers keep what data-blind frameworks do: bins in arrival order
     straight onto (replica, microbatch) slots. Data-aware ones slot and order the
     bins (see :mod:`dflop.schedule.slots`); ``evaluate`` times candidate orders.
-    ``caps`` bound (LLM tokens, tiles) per bin.
+    ``caps`` bound (LLM tokens, tiles) per bin. ``partitioner`` replaces the solver (the
+    optimizer's inner loop uses a cheaper one).
     """
     resources = None
     if caps is not None:
         resources = np.stack([batch.llm_tokens, batch.tiles], axis=1).astype(float)
     problem = PartitionProblem(costs, plan.bins, resources, caps, batch.ids)
-    result = partition(problem, solver, time_limit=time_limit, seed=seed, backend=backend)
+    result = (partitioner(problem) if partitioner is not None
+              else partition(problem, solver, time_limit=time_limit, seed=seed, backend=backend))
     ids = tuple(str(i) for i in batch.ids)
     if solver in DATA_BLIND:
         return StepSchedule(ids, result.assignment, plan.llm.dp, plan.microbatches, result, "arrival")

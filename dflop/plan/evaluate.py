@@ -1,0 +1,239 @@
+"""Evaluating candidate plans on global batches sampled from the data.
+
+Every candidate is timed on the *same* sampled batches (common random
+numbers), so differences between candidates are not noise from different
+batches. Each batch is partitioned by the scheduler (data-aware plans) or cut
+in arrival order (data-blind baselines), costed by the cost model and timed by
+the fast evaluator, communication included. Two cheap checks come first:
+
+- memory: model state plus the activations of the microbatches the schedule
+  keeps in flight, for the largest bin the scheduler may produce (its caps),
+  against the GPU's usable memory;
+- a lower bound: a stage never finishes before its share of the whole batch,
+  since op time is subadditive (one microbatch never costs more than two
+  halves): busiest-stage time of the batch as one microbatch / data
+  parallelism.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from dflop.cost.protocol import CostModel, StageSpec, WorkShape
+from dflop.program.costing import StepBuilder
+from dflop.program.evaluate import evaluate, summarize
+from dflop.program.actions import Kind
+from dflop.program.template import build_template
+from dflop.schedule.heuristics import lpt
+from dflop.schedule.improve import improve
+from dflop.schedule.problem import Partition, PartitionProblem, finish
+from dflop.schedule.step import plan_costs, schedule_batch
+from dflop.specs.hardware import ClusterSpec, TrainingSpec
+from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import Plan
+from dflop.workload.sample import SampleTable
+
+QUICK_GAP = 1e-3
+CAP_SLACK = 1.3
+"""A data-aware bin may hold this many times the average bin's tokens and tiles (of the heaviest
+batch in the pool)."""
+
+
+@dataclass(frozen=True)
+class PlanningProblem:
+    """What to plan for: the model, the GPUs, the recipe, the cost model and the data."""
+
+    model: MLLMSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    cost: CostModel
+    data: SampleTable
+    seed: int = 0
+
+
+class BatchPool:
+    """Seeded global batches; batch i is the same whichever candidate asks and in whatever order."""
+
+    def __init__(self, data: SampleTable, global_batch: int, seed: int) -> None:
+        self.data, self.size, self.seed = data, global_batch, seed
+        self._cache: dict[int, SampleTable] = {}
+
+    def __getitem__(self, i: int) -> SampleTable:
+        if i not in self._cache:
+            rng = np.random.default_rng((self.seed, i))
+            rows = rng.integers(0, len(self.data), size=self.size)
+            self._cache[i] = self.data.take(rows).with_ids([f"b{i}:{k}" for k in range(self.size)])
+        return self._cache[i]
+
+
+@dataclass
+class Estimate:
+    plan: Plan
+    data_aware: bool
+    lower_bound: float
+    steps: list[float] = field(default_factory=list)
+    bubble: list[float] = field(default_factory=list)
+    idle: list[float] = field(default_factory=list)
+    imbalance: list[float] = field(default_factory=list)
+    """Largest bin load over the mean bin load (1 = perfectly balanced)."""
+    peak_memory: float = 0.0
+    simulated: float | None = None
+    """Step time in the SimPy simulator (with link contention), when confirmed."""
+
+    @property
+    def n(self) -> int:
+        return len(self.steps)
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.steps)) if self.steps else float("inf")
+
+    @property
+    def ci(self) -> float:
+        """Half-width of the 95% confidence interval of the mean."""
+        if self.n < 2:
+            return float("inf")
+        return 1.96 * float(np.std(self.steps, ddof=1)) / np.sqrt(self.n)
+
+    def summary(self) -> dict:
+        return {"plan": self.plan.describe(), "step_time_s": self.mean, "ci95_s": float(self.ci), "batches": self.n,
+                "bubble_fraction": float(np.mean(self.bubble)), "idle_fraction": float(np.mean(self.idle)),
+                "imbalance": float(np.mean(self.imbalance)), "peak_memory_gib": self.peak_memory / 2**30,
+                "simulated_step_time_s": self.simulated}
+
+
+def quick(problem: PartitionProblem) -> Partition:
+    """The scheduler's heuristic path with bounded effort: LPT, then local search with the 64
+    lightest partners until within 0.1% of the bound or K rounds. Deterministic; ranks plans as the full scheduler would,
+    at a fraction of its cost on batches of thousands of samples."""
+    start = time.perf_counter()
+    target = problem.lower_bound() * (1 + QUICK_GAP)
+    assignment = improve(problem, lpt(problem), target=target, max_rounds=problem.bins,
+                         every_partner=False)
+    return finish(problem, assignment, "quick", time.perf_counter() - start, searched=True)
+
+
+@lru_cache(maxsize=256)
+def inflight(schedule: str, stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    """Most microbatches each rank holds activations for at once (forward until its B or W)."""
+    from dflop.program.schedules import build
+
+    program = build(schedule, stages // virtual, microbatches, virtual)
+    out = []
+    for actions in program.ranks:
+        held = peak = 0
+        for a in actions:
+            held += 1 if a.kind is Kind.F else (-1 if a.kind in (Kind.B, Kind.W) else 0)
+            peak = max(peak, held)
+        out.append(peak)
+    return tuple(out)
+
+
+class Evaluator:
+    def __init__(self, problem: PlanningProblem, pool: BatchPool, cap_batches: int = 12) -> None:
+        self.p, self.pool = problem, pool
+        data = problem.data
+        self.cap_batches = cap_batches
+        batches = [pool[i] for i in range(cap_batches)]
+        self.heaviest_tokens = max(float(b.llm_tokens.sum()) for b in batches)
+        self.heaviest_tiles = max(float(b.tiles.sum()) for b in batches)
+        self.mean_tokens = float(data.llm_tokens.mean())
+        self.mean_tiles = float(data.tiles.mean())
+        self.max_tokens = float(data.llm_tokens.max())
+        self.max_tiles = float(data.tiles.max())
+        self._builders: dict[Plan, StepBuilder] = {}
+        self._blind: dict[int, tuple[float, float]] = {}
+        self._whole: dict[tuple, np.ndarray] = {}
+
+    # ---- caps and memory ----------------------------------------------------------------------
+
+    def caps(self, plan: Plan) -> np.ndarray:
+        """(LLM tokens, tiles) a data-aware bin may hold."""
+        return np.array([max(self.max_tokens, CAP_SLACK * self.heaviest_tokens / plan.bins),
+                         max(self.max_tiles, CAP_SLACK * self.heaviest_tiles / plan.bins)])
+
+    def worst_bins(self, plan: Plan, data_aware: bool) -> tuple[float, float]:
+        """(LLM tokens, tiles) of the largest bin the plan may get on the batches it is judged on:
+        the caps for data-aware plans, the largest arrival-order bin for data-blind ones."""
+        if data_aware:
+            cap = self.caps(plan)
+            return float(cap[0]), float(cap[1])
+        if plan.bins not in self._blind:
+            tokens = tiles = 0.0
+            for i in range(self.cap_batches):  # arrival order, equal counts
+                b = self.pool[i]
+                a = (np.arange(len(b)) * plan.bins) // len(b)
+                tokens = max(tokens, float(np.bincount(a, weights=b.llm_tokens, minlength=plan.bins).max()))
+                tiles = max(tiles, float(np.bincount(a, weights=b.tiles, minlength=plan.bins).max()))
+            self._blind[plan.bins] = (tokens, tiles)
+        return self._blind[plan.bins]
+
+    # ---- lower bound ----------------------------------------------------------------------------
+
+    def _whole_batch(self, spec: StageSpec, n: int) -> np.ndarray:
+        """fwd+bwd seconds of ``spec`` on each of the first n batches taken as one microbatch."""
+        key = (spec, n)
+        if key not in self._whole:
+            shapes = [self.pool[i] for i in range(n)]
+            tokens = np.array([b.llm_tokens.sum() for b in shapes], dtype=float)
+            sq = np.array([(b.llm_tokens.astype(float) ** 2).sum() for b in shapes])
+            tiles = np.array([b.tiles.sum() for b in shapes], dtype=float)
+            c = self.p.cost.stage_cost(spec, WorkShape(self.pool.size, tiles, tokens, sq))
+            self._whole[key] = np.broadcast_to(np.asarray(c.fwd + c.bwd, dtype=float), (n,))
+        return self._whole[key]
+
+    def lower_bound(self, plan: Plan, n: int) -> float:
+        model = self.p.model
+        llm_layers = plan.stage_layers("llm", model)
+        per_stage = [self._whole_batch(StageSpec.of("llm", llm_layers, s, plan.llm.tp), n)
+                     for s in range(len(llm_layers))]
+        if plan.placement == "colocated":
+            enc = StageSpec("encoder", model.encoder.layers, plan.llm.tp, first=True, last=True)
+            per_stage[0] = per_stage[0] + self._whole_batch(enc, n)
+        ranks = [sum(per_stage[s] for s in range(r, len(per_stage), plan.llm.pp)) / plan.llm.dp
+                 for r in range(plan.llm.pp)]
+        if plan.placement == "disaggregated":
+            enc_layers = plan.stage_layers("encoder", model)
+            ranks += [self._whole_batch(StageSpec.of("encoder", enc_layers, s, plan.encoder.tp), n)
+                      / plan.encoder.dp for s in range(len(enc_layers))]
+        return float(np.mean(np.max(np.stack(ranks), axis=0)))
+
+    # ---- evaluation -----------------------------------------------------------------------------
+
+    def builder(self, plan: Plan) -> StepBuilder:
+        if plan not in self._builders:
+            if len(self._builders) > 64:
+                self._builders.pop(next(iter(self._builders)))
+            p = self.p
+            self._builders[plan] = StepBuilder(build_template(plan), model=p.model, cluster=p.cluster,
+                                               training=p.training, cost=p.cost)
+        return self._builders[plan]
+
+    def assignment(self, plan: Plan, batch: SampleTable, data_aware: bool) -> tuple[np.ndarray, float]:
+        """Bins of one batch, as the scheduler (or a data-blind framework) makes them."""
+        costs = plan_costs(batch, plan, self.p.model, self.p.cost)
+        if data_aware:
+            schedule = schedule_batch(batch, plan, costs=costs, caps=self.caps(plan), partitioner=quick)
+        else:
+            schedule = schedule_batch(batch, plan, costs=costs, solver="sequential")
+        part = schedule.partition
+        return schedule.assignment, part.makespan / max(part.loads.max(axis=1).mean(), 1e-30)
+
+    def extend(self, estimate: Estimate, upto: int) -> Estimate:
+        """Time the plan on batches estimate.n .. upto-1."""
+        builder = self.builder(estimate.plan)
+        for i in range(estimate.n, upto):
+            batch = self.pool[i]
+            assignment, imbalance = self.assignment(estimate.plan, batch, estimate.data_aware)
+            timing = builder.timing(batch, assignment)
+            summary = summarize(timing, evaluate(timing))
+            estimate.steps.append(summary.step_s)
+            estimate.bubble.append(summary.bubble_fraction)
+            estimate.idle.append(summary.idle_fraction)
+            estimate.imbalance.append(imbalance)
+            estimate.peak_memory = max(estimate.peak_memory, float(summary.peak_memory.max()))
+        return estimate
