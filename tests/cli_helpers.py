@@ -20,11 +20,12 @@ def dflop_json(*args, cwd=None, timeout=600):
 
 
 def assert_one_line_error(proc, *fragments):
+    """Exit status 2 and exactly one error line, the last thing on stderr (logs may precede it)."""
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("dflop: error: ")
+    errors = [line for line in lines if line.startswith("dflop: error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
     for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+        assert fragment in errors[0], errors[0]
     assert proc.stdout == ""

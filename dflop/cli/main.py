@@ -106,7 +106,37 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
 @json_option
 def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) -> None:
     """Choose tensor/pipeline/data parallelism for the encoder and the LLM."""
-    raise DflopError("`dflop optimize` is not available yet: it arrives with the optimizer")
+    from dflop import job
+    from dflop.cli.progress import progress_bar
+    from dflop.specs.loading import save_spec
+
+    s = job.setup(config, gpus=gpus)
+    with progress_bar() as progress:
+        result = job.optimize(s, progress=progress)
+    save_spec(result.best.plan, _writable(out))
+    data = {**job.optimize_json(result, s.cluster.hardware.usable_memory_bytes), "out": str(out)}
+
+    def human(r: dict[str, Any]) -> str:
+        p = r["plan"]
+        lines = [f"plan: {p['describe']}  -> {r['out']}",
+                 f"  expected step {p['step_time_s']:.3f} s (+-{p['ci95_s']:.3f}, {p['batches']} batches)"
+                 + (f", simulated {p['simulated_step_time_s']:.3f} s" if p["simulated_step_time_s"] else ""),
+                 f"  bubbles {p['bubble_fraction']:.1%}, idle {p['idle_fraction']:.1%}, "
+                 f"memory {p['peak_memory_gib']:.1f} of {r['usable_memory_gib']:.1f} GiB per GPU"]
+        if r["baseline"]:
+            b = r["baseline"]
+            lines.append(f"best baseline ({b['space']}): {b['describe']}  step {b['step_time_s']:.3f} s  "
+                         f"-> speedup {r['speedup']:.2f}x")
+        lines.append(f"ideal (all compute spread evenly): {r['ideal_step_time_s']:.3f} s")
+        lines += ["alternatives:"] + [f"  {a['step_time_s']:.3f} s  {a['plan']}" for a in r["alternatives"]]
+        lines += ["why:"] + [f"  {w}" for w in r["why"]]
+        lines.append(f"search: {r['search_seconds']:.1f} s; " + "; ".join(
+            f"{k}: {v['enumerated']} plans, {v['pruned_memory']} too big, {v['pruned_bound']} bounded out, "
+            f"{v['pruned_splits']} GPU splits skipped, {v['evaluated']} evaluated"
+            for k, v in r["pruning"].items()))
+        return "\n".join(lines)
+
+    emit(data, as_json, human)
 
 
 @cli.command()
@@ -119,7 +149,21 @@ def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) ->
 @json_option
 def schedule(items: Path, bins: int, solver: str, time_limit: float, as_json: bool) -> None:
     """Partition items with cost vectors into balanced bins."""
-    raise DflopError("`dflop schedule` is not available yet: it arrives with the scheduler")
+    from dflop.schedule.items import read_items
+    from dflop.schedule.problem import PartitionProblem
+    from dflop.schedule.solve import partition
+
+    ids, costs = read_items(items)
+    result = partition(PartitionProblem(costs, bins, ids=ids), solver, time_limit=time_limit)
+    data = {"bins": result.bins(ids), "makespan": result.makespan, "lower_bound": result.lower_bound,
+            "gap": result.gap, "solver": result.solver, "status": result.status, "seconds": result.seconds,
+            "loads": result.loads.tolist()}
+
+    def human(r: dict[str, Any]) -> str:
+        return (f"{len(r['bins'])} bins, makespan {r['makespan']:.6g}, lower bound {r['lower_bound']:.6g}, "
+                f"gap {r['gap']:.4%} ({r['status']}, {r['solver']}, {r['seconds'] * 1e3:.1f} ms)")
+
+    emit(data, as_json, human)
 
 
 @cli.command()
@@ -132,7 +176,29 @@ def schedule(items: Path, bins: int, solver: str, time_limit: float, as_json: bo
 def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | None, steps: int | None,
              out: Path, as_json: bool) -> None:
     """Simulate a plan on the workload; write the trace and the timeline."""
-    raise DflopError("`dflop simulate` is not available yet: it arrives with the simulator")
+    from dflop import job
+    from dflop.viz.timeline import plot_timeline
+
+    s = job.setup(config)
+    plan = job.pick_plan(s, plan_path, schedule_name)
+    _writable(out / "x")
+    sim, info = job.simulate(s, plan, steps=steps or s.config.steps, solver=s.config.scheduler.solver, out=out,
+                             name="simulate")
+    timeline = plot_timeline(sim.trace, out / "timeline.png")
+    data = {"plan": job.plan_summary(plan), **job.step_fields(sim, s.training.global_batch),
+            "steps": sim.metrics.steps, "cost_model": s.cost.name, "scheduler": info["scheduler"],
+            "oom": sim.metrics.oom[:5], "artifacts": {"trace": info["trace"], "timeline": str(timeline)}}
+
+    def human(r: dict[str, Any]) -> str:
+        return "\n".join([
+            f"plan: {r['plan']['describe']}",
+            f"  {r['steps']} steps, step {r['step_time_s']['mean']:.3f} s (p50 {r['step_time_s']['p50']:.3f}), "
+            f"{r['throughput_samples_per_s']:.1f} samples/s",
+            f"  bubbles {r['bubble_fraction']:.1%}, idle {r['idle_fraction']:.1%}, peak memory "
+            f"{r['peak_memory_gib']:.1f} GiB, {r['oom_events']} out-of-memory events",
+            f"trace -> {r['artifacts']['trace']}", f"timeline -> {r['artifacts']['timeline']}"])
+
+    emit(data, as_json, human)
 
 
 @cli.command()
@@ -143,7 +209,31 @@ def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | N
 @json_option
 def run(config: Path | None, backend: str, steps: int | None, out: Path, as_json: bool) -> None:
     """Profile, optimize, schedule every step, execute, compare with the data-blind baseline."""
-    raise DflopError("`dflop run` is not available yet")
+    from dflop import job
+    from dflop.cli.progress import progress_bar
+
+    if backend == "torch":
+        raise DflopError("--backend torch is not available yet: dflop has no torch execution backend so far; "
+                         "use --backend sim")
+    s = job.setup(config)
+    _writable(out / "x")
+    with progress_bar() as progress:
+        data = job.run(s, steps=steps or s.config.steps, out=out, progress=progress)
+
+    def human(r: dict[str, Any]) -> str:
+        b = r["baseline"]
+        return "\n".join([
+            f"{r['model']} on {r['gpus']} GPUs, {r['data']}, global batch {r['global_batch']}, {r['steps']} steps",
+            f"dflop     {r['plan']['describe']}",
+            f"          step {r['step_time_s']['mean']:.3f} s, {r['throughput_samples_per_s']:.1f} samples/s, "
+            f"bubbles {r['bubble_fraction']:.1%}, idle {r['idle_fraction']:.1%}",
+            f"baseline  {b['plan']['describe']}",
+            f"          step {b['step_time_s']['mean']:.3f} s, {b['throughput_samples_per_s']:.1f} samples/s, "
+            f"bubbles {b['bubble_fraction']:.1%}, idle {b['idle_fraction']:.1%}",
+            f"speedup   {r['speedup']:.2f}x (simulated; the optimizer expected {r['expected']['speedup']:.2f}x)",
+            f"timeline  {r['artifacts']['timeline']}"])
+
+    emit(data, as_json, human)
 
 
 @cli.group()
@@ -158,7 +248,31 @@ def plot() -> None:
 @json_option
 def plot_timeline(trace: Path, out: Path, compare: Path | None, as_json: bool) -> None:
     """Bubble timeline of a trace: one row per rank, compute and communication apart."""
-    raise DflopError("`dflop plot timeline` is not available yet: it arrives with the simulator")
+    from dflop.trace.chrome import load_trace
+    from dflop.trace.metrics import metrics
+    from dflop.viz.timeline import plot_timeline
+
+    doc = load_trace(trace)
+    other = load_trace(compare) if compare is not None else None
+    path = plot_timeline(doc, _writable(out), compare=other,
+                         labels=(trace.stem, compare.stem) if compare is not None else ("", ""))
+    data = {"out": str(path), "metrics": metrics(doc).as_dict()}
+    emit(data, as_json, lambda r: f"timeline -> {r['out']} (step {r['metrics']['step_time_s']['mean']:.3f} s, "
+                                  f"bubbles {r['metrics']['bubble_fraction']:.1%})")
+
+
+def _writable(path: Path) -> Path:
+    """Fail early, before any work, when the output cannot be written."""
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DflopError(f"{folder}: cannot create the output folder ({exc.strerror})") from None
+    import os
+
+    if not os.access(folder, os.W_OK):
+        raise DflopError(f"{folder}: output folder is not writable")
+    return path
 
 
 # ---- entry point -----------------------------------------------------------------------------
@@ -180,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except DflopError as exc:
         if debug:
+            details = getattr(exc, "details", "")
+            if details:
+                log(details)
             raise
         log(f"dflop: error: {exc}")
         return 2

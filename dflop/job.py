@@ -1,0 +1,230 @@
+"""The jobs behind `dflop optimize`, `dflop simulate` and `dflop run`: the layers wired together.
+
+Nothing here decides anything on its own; it loads the run config and data,
+picks the cost model, and hands them to the optimizer, the scheduler and the
+simulator, then writes the artifacts (traces, timelines, plan).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from dflop.cost.protocol import CostModel
+from dflop.cost.select import select_cost_model
+from dflop.errors import DflopError
+from dflop.plan.evaluate import BatchPool, PlanningProblem
+from dflop.plan.search import OptimizeResult, Optimizer, Progress
+from dflop.plan.space import BASELINES, DFLOP
+from dflop.program.costing import StepBuilder
+from dflop.program.evaluate import evaluate
+from dflop.program.graph import expand
+from dflop.program.schedules import canonical
+from dflop.program.template import build_template
+from dflop.schedule.background import AsyncScheduler
+from dflop.schedule.step import StepSchedule, plan_costs, schedule_batch
+from dflop.sim.engine import execute
+from dflop.sim.simulate import Simulation, simulate_steps
+from dflop.specs.hardware import GIB, ClusterSpec, TrainingSpec
+from dflop.specs.loading import to_mapping
+from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import Plan
+from dflop.specs.run import RunConfig, load_run_config
+from dflop.trace.chrome import save_trace
+from dflop.workload.data_profile import DataProfile, batches
+from dflop.workload.manifest import read_manifest
+from dflop.workload.mixes import mix, synthesize
+from dflop.workload.sample import SampleTable
+
+Log = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    sys.stderr.write(message + "\n")
+
+
+@dataclass
+class Setup:
+    config: RunConfig
+    model: MLLMSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    cost: CostModel
+    data: SampleTable
+    data_source: str
+
+    def problem(self) -> PlanningProblem:
+        return PlanningProblem(self.model, self.cluster, self.training, self.cost, self.data, self.config.seed)
+
+
+def load_data(config: RunConfig) -> tuple[SampleTable, str]:
+    d = config.data
+    if d.dataset:
+        return read_manifest(d.dataset, config.encoder).samples, f"dataset {d.dataset}"
+    if d.profile:
+        return DataProfile.load(d.profile).samples, f"data profile {d.profile}"
+    return synthesize(mix(d.preset), d.samples, config.encoder, d.seed), f"preset {d.preset}"
+
+
+def setup(config_path: str | Path | None = None, *, gpus: int | None = None, log: Log = _stderr) -> Setup:
+    config = load_run_config(config_path)
+    cluster = config.cluster.with_gpus(gpus) if gpus else config.cluster
+    data, source = load_data(config)
+    cost, note = select_cost_model(config.model, cluster.hardware, config.training)
+    log(f"dflop: {config.model.name} on {cluster.gpus} x {cluster.hardware.name}, {source}; {note}")
+    return Setup(config, config.model, cluster, config.training, cost, data, source)
+
+
+def confirm_with_simpy(s: Setup, batches_: int = 2) -> Callable[[Plan, bool], float]:
+    """Step time of a plan in SimPy (link contention on), on the optimizer's first batches."""
+    pool = BatchPool(s.data, s.training.global_batch, s.config.seed)
+
+    def confirm(plan: Plan, data_aware: bool) -> float:
+        builder = StepBuilder(build_template(plan), model=s.model, cluster=s.cluster, training=s.training,
+                              cost=s.cost)
+        times = []
+        for i in range(batches_):
+            batch = pool[i]
+            costs = plan_costs(batch, plan, s.model, s.cost)
+            solver = "greedy" if data_aware else "sequential"
+            schedule = schedule_batch(batch, plan, costs=costs, solver=solver)
+            times.append(execute(expand(builder.timing(batch, schedule.assignment)),
+                                 track_memory=False).makespan / 1e9)
+        return float(np.mean(times))
+
+    return confirm
+
+
+def optimize(s: Setup, *, progress: Progress | None = None, baselines: bool = True) -> OptimizeResult:
+    optimizer = Optimizer(s.problem(), s.training.global_batch, confirm=confirm_with_simpy(s), progress=progress)
+    return optimizer.run((DFLOP,), BASELINES if baselines else ())
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    return {"describe": plan.describe(), **to_mapping(plan)}
+
+
+def optimize_json(result: OptimizeResult, usable: float) -> dict[str, Any]:
+    out = result.to_json()
+    out["plan"] = {**plan_summary(result.best.plan), **out["plan"]}
+    out["expected_step_time_s"] = out["plan"]["step_time_s"]
+    out["per_gpu_memory_gib"] = out["plan"]["peak_memory_gib"]
+    out["usable_memory_gib"] = usable / GIB
+    out["baseline"] = {**plan_summary(result.baseline.plan), **out["baseline"]} if result.baselines else None
+    return out
+
+
+def assigner(s: Setup, plan: Plan, solver: str, builder: StepBuilder) -> Callable[[SampleTable], StepSchedule]:
+    """The scheduler of a step: the configured solver, with candidate microbatch orders timed by
+    the fast evaluator."""
+    time_limit = s.config.scheduler.time_limit
+    backend = s.config.scheduler.ilp_backend
+
+    def assign(batch: SampleTable) -> StepSchedule:
+        costs = plan_costs(batch, plan, s.model, s.cost)
+
+        def timed(assignment: np.ndarray) -> float:
+            return evaluate(builder.timing(batch, assignment)).step_ns
+
+        return schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=time_limit, backend=backend,
+                              evaluate=None if solver in ("sequential", "random") else timed)
+
+    return assign
+
+
+def simulate(s: Setup, plan: Plan, *, steps: int, solver: str, out: Path, name: str,
+             deadline: float | None = None) -> tuple[Simulation, dict[str, Any]]:
+    """Simulate ``steps`` steps of ``plan``, scheduling ahead in the background for data-aware
+    solvers; writes ``<name>.trace.json``."""
+    plan.validate(s.cluster, s.model, s.training.global_batch)
+    builder = StepBuilder(build_template(plan), model=s.model, cluster=s.cluster, training=s.training, cost=s.cost)
+    assign = assigner(s, plan, solver, builder)
+    stream = batches(s.data, s.training.global_batch, seed=s.config.seed)
+    fallback = assigner(s, plan, "lpt", builder)
+    limit = deadline or max(s.config.scheduler.time_limit * 2, 0.5)
+    with AsyncScheduler(stream, lambda batch, _: assign(batch), fallback, deadline=limit) as scheduler:
+        pairs = [scheduler.get(step) for step in range(steps)]
+        late = scheduler.late
+    scheduled = [sch for _, sch in pairs]
+    sim = simulate_steps(builder, [b for b, _ in pairs], lambda i, b: scheduled[i].aligned(b),
+                         meta={"name": name, "solver": solver})
+    trace = save_trace(sim.trace, out / f"{name}.trace.json")
+    partitions = [sch.partition for sch in scheduled if sch.partition is not None]
+    info = {"scheduler": {"solver": solver, "late_steps": late,
+                          "gap_mean": float(np.mean([p.gap for p in partitions])) if partitions else None,
+                          "statuses": sorted({p.status for p in partitions}),
+                          "orders": sorted({sch.order for sch in scheduled})},
+            "trace": str(trace)}
+    return sim, info
+
+
+def step_fields(sim: Simulation, global_batch: int) -> dict[str, Any]:
+    m = sim.metrics
+    return {"step_time_s": {"mean": m.step_time_mean, "p50": m.step_time_p50},
+            "throughput_samples_per_s": global_batch / m.step_time_mean,
+            "bubble_fraction": m.bubble_fraction, "idle_fraction": m.idle_fraction,
+            "utilisation": m.utilisation, "mfu": m.mfu, "peak_memory_gib": max(m.peak_memory_gib, default=0.0),
+            "oom_events": len(m.oom)}
+
+
+def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, log: Log = _stderr) -> dict[str, Any]:
+    """Optimize, then simulate the plan with the data-aware scheduler and the best baseline with
+    data-blind microbatches on the same batches; compare."""
+    from dflop.viz.timeline import plot_timeline
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DflopError(f"{out}: cannot create the output folder ({exc.strerror})") from None
+    log("dflop: searching plans ...")
+    result = optimize(s, progress=progress)
+    if not result.baselines:
+        raise DflopError("no data-blind baseline plan fits this cluster to compare against")
+    plan, base = result.best.plan, result.baseline
+    log(f"dflop: plan [{plan.describe()}]; baseline [{base.plan.describe()}]")
+    solver = s.config.scheduler.solver
+    mine, mine_info = simulate(s, plan, steps=steps, solver=solver, out=out, name="dflop",
+                               deadline=0.5 * result.best.mean)
+    theirs, theirs_info = simulate(s, base.plan, steps=steps, solver="sequential", out=out, name="baseline")
+    timeline = plot_timeline(theirs.trace, out / "timeline.png", compare=mine.trace,
+                             labels=("data-blind baseline", "dflop"))
+    from dflop.specs.loading import save_spec
+
+    plan_file = save_spec(plan, out / "plan.yaml")
+    batch = s.training.global_batch
+    ours, baseline = step_fields(mine, batch), step_fields(theirs, batch)
+    return {
+        "plan": plan_summary(plan), **ours,
+        "baseline": {"plan": plan_summary(base.plan), **baseline},
+        "speedup": baseline["step_time_s"]["mean"] / ours["step_time_s"]["mean"],
+        "expected": {"step_time_s": result.best.mean, "baseline_step_time_s": base.mean,
+                     "speedup": result.speedup, "ideal_step_time_s": result.ideal_s},
+        "steps": steps, "global_batch": batch, "gpus": s.cluster.gpus, "model": s.model.name,
+        "data": s.data_source, "cost_model": s.cost.name, "scheduler": mine_info["scheduler"],
+        "search": {"seconds": result.seconds, "pruning": {k: v.as_dict() for k, v in result.stats.items()},
+                   "why": result.why},
+        "artifacts": {"trace": mine_info["trace"], "baseline_trace": theirs_info["trace"],
+                      "timeline": str(timeline), "plan": str(plan_file)},
+    }
+
+
+def pick_plan(s: Setup, plan_path: Path | None, schedule: str | None, log: Log = _stderr) -> Plan:
+    """The plan to simulate: a file, the config's, or the optimizer's choice."""
+    from dataclasses import replace
+
+    from dflop.specs.loading import load_spec
+
+    if plan_path is not None:
+        plan = load_spec(Plan, plan_path)
+    elif s.config.plan is not None:
+        plan = s.config.plan
+    else:
+        log("dflop: no plan given; searching one ...")
+        plan = optimize(s, baselines=False).best.plan
+    if schedule is not None:
+        plan = replace(plan, schedule=canonical(schedule))
+    return plan

@@ -1,0 +1,86 @@
+import json
+
+import yaml
+from PIL import Image
+
+from cli_helpers import assert_one_line_error, dflop, dflop_json
+
+SMALL = """
+encoder: siglip-so400m
+llm: qwen2.5-7b
+cluster: {hardware: h100, nodes: 1, gpus_per_node: 8}
+training: {global_batch: 64, recompute: full}
+data: {preset: llava-ov, samples: 3000}
+scheduler: {solver: auto, time_limit: 0.2}
+steps: 2
+"""
+
+
+def small_config(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(SMALL)
+    return path
+
+
+def test_schedule_command(tmp_path):
+    items = tmp_path / "items.json"
+    items.write_text(json.dumps({"items": [{"id": f"s{i}", "cost": [i % 3 + 1, (7 * i) % 5 + 1]}
+                                           for i in range(12)]}))
+    out = dflop_json("schedule", "--items", items, "--bins", 3, "--solver", "auto")
+    assert sorted(x for b in out["bins"] for x in b) == sorted(f"s{i}" for i in range(12))
+    assert len(out["bins"]) == 3 and all(out["bins"])
+    assert out["makespan"] >= out["lower_bound"] and out["status"] in ("optimal", "feasible", "heuristic")
+    assert set(out) >= {"bins", "makespan", "lower_bound", "gap", "solver", "status", "seconds"}
+    blind = dflop_json("schedule", "--items", items, "--bins", 3, "--solver", "sequential")
+    assert blind["bins"][0] == ["s0", "s1", "s2", "s3"] and blind["makespan"] >= out["makespan"]
+
+
+def test_schedule_bad_items(tmp_path):
+    items = tmp_path / "items.json"
+    items.write_text(json.dumps({"items": [{"id": "a", "cost": [1, 2]}, {"id": "b", "cost": "x"}]}))
+    assert_one_line_error(dflop("schedule", "--items", items, "--bins", 2),
+                          "items.json: items[1]: field 'cost': expected a number or a list of numbers")
+    items.write_text(json.dumps({"items": [{"id": "a", "cost": [1]}]}))
+    assert_one_line_error(dflop("schedule", "--items", items, "--bins", 2), "1 items cannot fill 2 bins")
+
+
+def test_optimize_simulate_and_plot(tmp_path):
+    config = small_config(tmp_path)
+    plan_file = tmp_path / "plan.yaml"
+    out = dflop_json("optimize", "--config", config, "--out", plan_file)
+    assert set(out) >= {"plan", "expected_step_time_s", "per_gpu_memory_gib", "alternatives", "baseline",
+                        "speedup", "search_seconds", "pruning", "why"}
+    assert out["per_gpu_memory_gib"] <= out["usable_memory_gib"] and out["speedup"] > 1
+    assert yaml.safe_load(plan_file.read_text())["placement"] == out["plan"]["placement"]
+    sim = dflop_json("simulate", "--config", config, "--plan", plan_file, "--steps", 2, "--out", tmp_path / "sim")
+    assert sim["steps"] == 2 and sim["oom_events"] == 0
+    trace = json.loads((tmp_path / "sim" / "simulate.trace.json").read_text())
+    assert {"X", "M"} <= {e["ph"] for e in trace["traceEvents"]}
+    assert Image.open(sim["artifacts"]["timeline"]).size[0] > 500
+    picture = dflop_json("plot", "timeline", sim["artifacts"]["trace"], "--out", tmp_path / "t.png")
+    assert picture["metrics"]["step_time_s"]["mean"] == sim["step_time_s"]["mean"]
+
+
+def test_run_compares_with_the_baseline(tmp_path):
+    out = dflop_json("run", "--config", small_config(tmp_path), "--out", tmp_path / "run")
+    assert set(out) >= {"plan", "step_time_s", "throughput_samples_per_s", "bubble_fraction", "idle_fraction",
+                        "baseline", "speedup", "artifacts"}
+    assert set(out["step_time_s"]) == {"mean", "p50"}
+    assert out["speedup"] == out["baseline"]["step_time_s"]["mean"] / out["step_time_s"]["mean"]
+    for path in out["artifacts"].values():
+        assert (tmp_path / "run" / path.split("/")[-1]).exists()
+
+
+def test_simulate_rejects_a_plan_that_does_not_fit(tmp_path):
+    plan = tmp_path / "big.yaml"
+    plan.write_text("encoder: {tp: 1, pp: 1, dp: 8}\nllm: {tp: 4, pp: 2, dp: 2}\nmicrobatches: 4\n")
+    proc = dflop("simulate", "--config", small_config(tmp_path), "--plan", plan, "--out", tmp_path / "s")
+    assert_one_line_error(proc, "does not fit", "the plan needs 24 GPUs but the cluster has 8")
+
+
+def test_unwritable_output_and_torch_backend(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_one_line_error(dflop("optimize", "--config", small_config(tmp_path), "--out", blocker / "plan.yaml"),
+                          "cannot create the output folder")
+    assert_one_line_error(dflop("run", "--backend", "torch"), "--backend torch is not available yet")

@@ -1,0 +1,62 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflop.errors import DflopError
+from dflop.schedule.sampler import BalancedBatchSampler, default_costs
+from dflop.specs import presets
+from dflop.workload import Modality, Sample, profile_mix
+
+PROFILE = profile_mix("llava-ov", 600, presets.encoder("siglip-so400m"), seed=4)
+
+
+@settings(max_examples=20)
+@given(dp=st.integers(1, 4), m=st.integers(1, 4), extra=st.integers(0, 20), solver=st.sampled_from(["lpt", "kk"]))
+def test_ranks_together_cover_each_batch_exactly_once(dp, m, extra, solver):
+    batch = dp * m + extra
+    samplers = [BalancedBatchSampler(PROFILE, global_batch=batch, dp_size=dp, dp_rank=r, microbatches=m,
+                                     solver=solver, seed=7) for r in range(dp)]
+    streams = [list(s) for s in samplers]
+    assert all(len(stream) == len(samplers[0]) for stream in streams)
+    for g, indices in enumerate(samplers[0].global_batches()):
+        mine = [streams[r][g * m:(g + 1) * m] for r in range(dp)]
+        flat = [i for rank in mine for micro in rank for i in micro]
+        assert sorted(flat) == sorted(indices.tolist())
+        assert all(len(micro) >= 1 for rank in mine for micro in rank)
+
+
+def test_deterministic_and_new_every_epoch():
+    a = BalancedBatchSampler(PROFILE, global_batch=64, dp_size=2, dp_rank=0, microbatches=4, seed=1)
+    b = BalancedBatchSampler(PROFILE, global_batch=64, dp_size=2, dp_rank=0, microbatches=4, seed=1)
+    assert list(a) == list(b)
+    first = list(a)
+    a.set_epoch(1)
+    assert list(a) != first
+
+
+def test_balanced_against_arrival_order():
+    costs = default_costs(PROFILE.samples)
+    spread = {}
+    for solver in ("lpt", "sequential"):
+        sampler = BalancedBatchSampler(PROFILE, global_batch=128, dp_size=4, dp_rank=0, microbatches=4,
+                                       solver=solver)
+        indices = next(sampler.global_batches())
+        bins = [micro for rank in sampler.bins(indices) for micro in rank]
+        loads = [costs[b].sum(axis=0).max() for b in bins]
+        spread[solver] = max(loads) / np.mean(loads)
+    assert spread["lpt"] < spread["sequential"]
+
+
+def test_shape_function_and_errors():
+    def shape(i):
+        return Sample(str(i), Modality.IMAGE if i % 2 else Modality.TEXT, 5 * (i % 2), 100 + i, 729 * (i % 2))
+
+    sampler = BalancedBatchSampler(shape, dataset_size=40, global_batch=8, dp_size=2, dp_rank=1, microbatches=2)
+    assert len(sampler) == 5 * 2 and all(len(m) >= 1 for m in sampler)
+    with pytest.raises(DflopError, match="not deterministic across ranks"):
+        BalancedBatchSampler(PROFILE, global_batch=64, dp_size=2, dp_rank=0, microbatches=2, solver="auto")
+    with pytest.raises(DflopError, match="dp_rank 2 is outside 0..1"):
+        BalancedBatchSampler(PROFILE, global_batch=64, dp_size=2, dp_rank=2, microbatches=2)
+    with pytest.raises(DflopError, match="smaller than dp_size x microbatches"):
+        BalancedBatchSampler(PROFILE, global_batch=3, dp_size=2, dp_rank=0, microbatches=2)

@@ -1,0 +1,67 @@
+import json
+
+import pytest
+from PIL import Image
+
+from dflop.sim import simulate_pipeline
+from dflop.trace.chrome import TraceBuilder, load_trace, save_trace
+from dflop.trace.metrics import metrics
+from dflop.viz.timeline import plot_timeline
+
+
+def hand_trace():
+    """Two ranks (rank 1 a TP group of 2 GPUs), one 10 ms step, compute until 8 ms."""
+    t = TraceBuilder(meta={"peak_flops": 1e12})
+    t.set_workers([{"name": "a", "module": "llm", "rank": 0, "replica": 0, "gpus": [0]},
+                   {"name": "b", "module": "llm", "rank": 1, "replica": 0, "gpus": [1, 2]}])
+    t.op(0, 0, "0F0", "F", 0, 2_000_000, {"flops": 1e9})
+    t.op(0, 0, "0B0", "B", 6_000_000, 8_000_000, {"flops": 2e9})
+    t.op(1, 0, "1F0", "F", 2_000_000, 4_000_000, {"flops": 1e9})
+    t.op(1, 0, "1B0", "B", 4_000_000, 6_000_000, {"flops": 2e9})
+    t.op(1, 1, "allreduce", "allreduce", 8_000_000, 10_000_000)
+    t.counter(0, "memory", 0, 2**30)
+    t.counter(0, "memory", 1_000_000, 3 * 2**30)
+    t.step(0, 0, 8_000_000, 10_000_000)
+    return t.document()
+
+
+def test_metrics_by_hand():
+    m = metrics(hand_trace())
+    assert m.step_time_s == [pytest.approx(0.010)]
+    assert m.busy_s == [pytest.approx(0.004), pytest.approx(0.004)]
+    # GPU-weighted: rank 0 (1 GPU) and rank 1 (2 GPUs) each busy 4 of 8 ms of compute span.
+    assert m.bubble_fraction == pytest.approx(1 - (4 * 1 + 4 * 2) / (3 * 8))
+    assert m.idle_fraction == pytest.approx(1 - (4 * 1 + 4 * 2) / (3 * 10))
+    assert m.utilisation == pytest.approx(1 - m.idle_fraction)
+    assert m.mfu == pytest.approx((3e9 * 1 + 3e9 * 2) / (3 * 1e12 * 0.010))
+    assert m.peak_memory_gib[0] == pytest.approx(3.0)
+
+
+def test_chrome_format_and_round_trip(tmp_path):
+    doc = hand_trace()
+    path = save_trace(doc, tmp_path / "t.json")
+    again = load_trace(path)
+    assert again == json.loads(json.dumps(doc))
+    complete = [e for e in again["traceEvents"] if e["ph"] == "X"]
+    assert all({"name", "ts", "dur", "pid", "tid"} <= set(e) for e in complete)
+    names = {e["args"]["name"] for e in again["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"a", "b"}
+
+
+def test_load_trace_errors(tmp_path):
+    from dflop.errors import DflopError
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"events": []}')
+    with pytest.raises(DflopError, match="not a Chrome trace"):
+        load_trace(bad)
+
+
+def test_timelines_small_large_and_side_by_side(tmp_path):
+    small = simulate_pipeline([1.0] * 4, [2.0] * 4, schedule="1F1B", microbatches=6)
+    large = simulate_pipeline([1.0] * 16, [2.0] * 16, schedule="GPipe", microbatches=64)
+    for doc, name in ((small.trace, "small.png"), (large.trace, "large.png")):
+        png = plot_timeline(doc, tmp_path / name, max_rows=8)
+        assert Image.open(png).size[0] > 500
+    both = plot_timeline(small.trace, tmp_path / "both.png", compare=large.trace, labels=("a", "b"))
+    assert Image.open(both).size[1] > Image.open(tmp_path / "small.png").size[1]
