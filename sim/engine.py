@@ -1,13 +1,20 @@
 """The SimPy executor of task graphs.
 
-One SimPy process per worker (a tensor-parallel GPU group) runs its ops in
-program order on its compute stream; a finished op hands its outputs to the
-links, which carry them while compute goes on (sends never block compute, as
-with NCCL's asynchronous point-to-point), one transfer at a time per link when
+Each worker (a tensor-parallel GPU group) runs its ops in program order on its
+compute stream; a finished op hands its outputs to the links, which carry
+them while compute goes on (sends never block compute, as with NCCL's
+asynchronous point-to-point), one transfer at a time per link when
 ``contention`` is on; gradient all-reduces are collectives that start once
 every participant has finished its last op. All state lives in one
 ``simpy.Environment``; times are integer nanoseconds, so runs are exactly
 reproducible and equal the reference longest path when nothing contends.
+
+The simulation is event-driven without processes: every op is one SimPy event,
+scheduled when the op can start (worker free, all inputs sent) to fire when it
+ends, whose callback books the op's outgoing transfers on their links (in a
+fixed order), counts down its consumers' missing inputs and starts whatever
+became ready. No generator is resumed per op, which keeps the executor close
+to SimPy's own event rate.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ class Execution:
     """Per worker: peak bytes."""
     oom: list[dict] = field(default_factory=list)
     """Workers that went beyond their memory: worker, ns, bytes, capacity."""
+    events: int = 0
+    """SimPy events the run scheduled (for benchmarks against a bare SimPy loop)."""
 
     @property
     def makespan(self) -> int:
@@ -41,81 +50,76 @@ class Execution:
 def execute(graph: TaskGraph, *, contention: bool = True, track_memory: bool = True) -> Execution:
     env = simpy.Environment()
     n = len(graph)
-    done = [env.event() for _ in range(n)]
     start = np.zeros(n, dtype=np.int64)
     end = np.zeros(n, dtype=np.int64)
-    out: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n)]
-    arrival: list[list[int]] = [[0] * len(d) for d in graph.deps]
-    for o, deps in enumerate(graph.deps):
-        for pos, (d, ns, link) in enumerate(deps):
-            out[d].append((o, pos, ns, link))
+    out, successor = graph.consumers, graph.successor
+    missing = [len(d) for d in graph.deps]
+    ready_at = [0] * n
+    idle = [w < 0 for w in graph.worker]  # per op: its worker is free for it (collectives have none)
+    for order in graph.order:
+        if order:
+            idle[order[0]] = True
     link_free = [0] * graph.links
     transfers: list[tuple[int, int, int, int, int]] = []
     held = [w.static_bytes for w in graph.workers]
     peak = np.array(held, dtype=float)
     memory: list[list[tuple[int, float]]] = [[(0, h)] for h in held]
     oom: list[dict] = []
+    finished = [False] * n
+    worker_of, free, alloc, duration = graph.worker, graph.free, graph.alloc, graph.duration
 
-    def finish(o: int) -> None:
-        now = env.now
-        for c, pos, ns, link in out[o]:
-            if ns == 0:
-                arrival[c][pos] = now
-                continue
-            begin = max(now, link_free[link]) if contention and link >= 0 else now
-            arrival[c][pos] = begin + ns
-            if contention and link >= 0:
-                link_free[link] = begin + ns
-            transfers.append((o, c, link, begin, begin + ns))
-        done[o].succeed()
-
-    def wait_inputs(o: int):
-        for d, _, _ in graph.deps[o]:
-            if not done[d].processed:
-                yield done[d]
-        latest = max(arrival[o], default=env.now)
-        if latest > env.now:
-            yield env.timeout(latest - env.now)
-
-    def change(w: int, delta: float) -> None:
+    def change(w: int, delta: float, at: int) -> None:
         held[w] += delta
         if track_memory:
-            memory[w].append((env.now, held[w]))
+            memory[w].append((at, held[w]))
         if held[w] > peak[w]:
             peak[w] = held[w]
             if held[w] > graph.workers[w].capacity and not any(e["worker"] == w for e in oom):
-                oom.append({"worker": w, "ns": env.now, "bytes": held[w],
-                            "capacity": graph.workers[w].capacity})
+                oom.append({"worker": w, "ns": at, "bytes": held[w], "capacity": graph.workers[w].capacity})
 
-    def worker(w: int):
-        for o in graph.order[w]:
-            yield from wait_inputs(o)
-            start[o] = env.now
-            if graph.alloc[o]:
-                change(w, graph.alloc[o])
-            if graph.duration[o]:
-                yield env.timeout(graph.duration[o])
-            end[o] = env.now
-            if graph.free[o]:
-                change(w, -graph.free[o])
-            finish(o)
+    def try_start(o: int) -> None:
+        """Start ``o``: its worker is free and every input has been sent, so it starts when the last
+        one arrives and ends ``duration`` later; one event, at its end. (Its worker is idle until
+        then, so recording the allocation ahead of time changes no peak.)"""
+        idle[o] = False
+        now = env.now
+        begins = ready_at[o] if ready_at[o] > now else now
+        start[o] = begins
+        if alloc[o]:
+            change(worker_of[o], alloc[o], begins)
+        env.timeout(begins - now + duration[o], o).callbacks.append(finish)
 
-    def collective(o: int):
-        yield from wait_inputs(o)
-        start[o] = env.now
-        if graph.duration[o]:
-            yield env.timeout(graph.duration[o])
-        end[o] = env.now
-        finish(o)
+    def finish(event: simpy.Event) -> None:
+        o, now = event.value, env.now
+        end[o] = now
+        finished[o] = True
+        if free[o]:
+            change(worker_of[o], -free[o], now)
+        for c, ns, link in out[o]:
+            arrive = now
+            if ns:
+                sent = max(now, link_free[link]) if contention and link >= 0 else now
+                arrive = sent + ns
+                if contention and link >= 0:
+                    link_free[link] = arrive
+                transfers.append((o, c, link, sent, arrive))
+            if arrive > ready_at[c]:
+                ready_at[c] = arrive
+            missing[c] -= 1
+            if not missing[c] and idle[c]:
+                try_start(c)
+        nxt = successor[o]
+        if nxt >= 0:
+            idle[nxt] = True
+            if not missing[nxt]:
+                try_start(nxt)
 
-    for w in range(len(graph.workers)):
-        env.process(worker(w))
     for o in range(n):
-        if graph.worker[o] < 0:
-            env.process(collective(o))
+        if not missing[o] and idle[o]:
+            try_start(o)
     env.run()
-    unfinished = [o for o in range(n) if not done[o].processed]
+    unfinished = [o for o in range(n) if not finished[o]]
     if unfinished:
         raise RuntimeError(f"simulation stalled with {len(unfinished)} ops unfinished, first "
                            f"{graph.label[unfinished[0]]} on worker {graph.worker[unfinished[0]]}")
-    return Execution(start, end, transfers, memory, peak, oom)
+    return Execution(start, end, transfers, memory, peak, oom, next(env._eid))

@@ -8,6 +8,7 @@ no cleverness), against which both faster paths are tested.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -50,6 +51,24 @@ class TaskGraph:
 
     def __len__(self) -> int:
         return len(self.worker)
+
+    @cached_property
+    def consumers(self) -> list[list[tuple[int, int, int]]]:
+        """Per op: (op that waits for it, transfer ns, link)."""
+        out: list[list[tuple[int, int, int]]] = [[] for _ in range(len(self))]
+        for o, deps in enumerate(self.deps):
+            for d, ns, link in deps:
+                out[d].append((o, ns, link))
+        return out
+
+    @cached_property
+    def successor(self) -> list[int]:
+        """Per op: the next op of the same worker (-1 for the last)."""
+        nxt = [-1] * len(self)
+        for ops in self.order:
+            for a, b in zip(ops, ops[1:]):
+                nxt[a] = b
+        return nxt
 
 
 def expand(timing: StepTiming) -> TaskGraph:
@@ -126,8 +145,8 @@ def longest_path(graph: TaskGraph) -> tuple[np.ndarray, np.ndarray]:
     start = np.zeros(n, dtype=np.int64)
     end = np.zeros(n, dtype=np.int64)
     prev = [-1] * n
-    for ops in graph.order:
-        for a, b in zip(ops, ops[1:]):
+    for a, b in enumerate(graph.successor):
+        if b >= 0:
             prev[b] = a
     for o in graph.topo:
         ready = int(end[prev[o]]) if prev[o] >= 0 else 0
