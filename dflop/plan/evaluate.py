@@ -24,6 +24,7 @@ from functools import lru_cache
 import numpy as np
 
 from dflop.cost.protocol import CostModel, StageSpec, WorkShape
+from dflop.errors import InfeasibleError
 from dflop.program.costing import StepBuilder
 from dflop.program.evaluate import evaluate, summarize
 from dflop.program.actions import Kind
@@ -83,6 +84,8 @@ class Estimate:
     peak_memory: float = 0.0
     simulated: float | None = None
     """Step time in the SimPy simulator (with link contention), when confirmed."""
+    infeasible: bool = False
+    """Some batch could not be split within the bin caps the memory check assumed."""
 
     @property
     def n(self) -> int:
@@ -228,7 +231,11 @@ class Evaluator:
         builder = self.builder(estimate.plan)
         for i in range(estimate.n, upto):
             batch = self.pool[i]
-            assignment, imbalance = self.assignment(estimate.plan, batch, estimate.data_aware)
+            try:
+                assignment, imbalance = self.assignment(estimate.plan, batch, estimate.data_aware)
+            except InfeasibleError:
+                estimate.infeasible = True
+                return estimate
             timing = builder.timing(batch, assignment)
             summary = summarize(timing, evaluate(timing))
             estimate.steps.append(summary.step_s)

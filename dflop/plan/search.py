@@ -164,7 +164,7 @@ class Optimizer:
                     continue
                 e = self.ev.extend(Estimate(plan, space.data_aware, bound), self.first)
                 stats.evaluated += 1
-                if e.peak_memory > self.usable:  # bins larger than screened for: out of the race
+                if e.infeasible or e.peak_memory > self.usable:  # bins larger than screened for: out
                     stats.pruned_memory += 1
                     continue
                 ranked.append(e)
@@ -173,7 +173,7 @@ class Optimizer:
         if not ranked:
             self._no_fit(space, short)
         self._refine(ranked)
-        ranked = [e for e in ranked if e.peak_memory <= self.usable]
+        ranked = [e for e in ranked if not e.infeasible and e.peak_memory <= self.usable]
         stats.batches = sum(e.n for e in ranked)
         return SpaceResult(space.name, sorted(ranked, key=lambda e: e.mean), stats)
 
@@ -192,6 +192,9 @@ class Optimizer:
         """More batches for the leaders until each is told apart from the best (or ``most``)."""
         top = sorted(ranked, key=lambda e: e.mean)[:leaders]
         while True:
+            top = [e for e in top if not e.infeasible]
+            if not top:
+                return
             best = min(top, key=lambda e: e.mean)
             open_ = [e for e in top if e is not best and e.n < self.most and not _paired_worse(e, best)]
             if not open_:

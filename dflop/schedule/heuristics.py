@@ -41,8 +41,8 @@ def _no_room(problem: PartitionProblem, item: int) -> InfeasibleError:
 
 def lpt(problem: PartitionProblem) -> np.ndarray:
     k, dims = problem.bins, range(problem.dims)
-    columns = [problem.costs[:, d].tolist() for d in dims]
-    loads = [[0.0] * k for _ in dims]
+    costs = problem.costs.tolist()
+    loads = [[0.0] * problem.dims for _ in range(k)]
     key, count = [0.0] * k, [0] * k
     heap = [(0.0, 0, b) for b in range(k)]
     capped = problem.resources is not None
@@ -53,24 +53,26 @@ def lpt(problem: PartitionProblem) -> np.ndarray:
         needs = problem.resources.tolist()
         key_np, count_np = np.zeros(k), np.zeros(k)
     assignment = [0] * problem.n
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for item in np.argsort(-problem.costs.max(axis=1), kind="stable").tolist():
-        while True:  # lazy deletion: entries whose bin has changed since are stale
-            _, _, b = heap[0]
-            if heap[0][0] == key[b] and heap[0][1] == count[b]:
-                break
-            heapq.heappop(heap)
+        top = heap[0]
+        while top[0] != key[top[2]] or top[1] != count[top[2]]:  # lazy deletion of stale entries
+            pop(heap)
+            top = heap[0]
+        b, on_top = top[2], True
         if capped and any(r > left for r, left in zip(needs[item], room[b])):
             fits = (held + problem.resources[item] <= caps).all(axis=1)
             if not fits.any():
                 raise _no_room(problem, item)
             order = np.lexsort((count_np, key_np))  # lightest bin with room, fewer items first
-            b = int(order[fits[order]][0])
+            b, on_top = int(order[fits[order]][0]), False
+        row, cost = loads[b], costs[item]
         for d in dims:
-            loads[d][b] += columns[d][item]
+            row[d] += cost[d]
         assignment[item] = b
-        key[b] = max(loads[d][b] for d in dims)
+        key[b] = max(row)
         count[b] += 1
-        heapq.heappush(heap, (key[b], count[b], b))
+        (replace if on_top else push)(heap, (key[b], count[b], b))
         if capped:
             held[b] += problem.resources[item]
             room[b] = [left - r for left, r in zip(room[b], needs[item])]

@@ -1,0 +1,88 @@
+"""What-if studies, as functions a notebook calls: each returns one tidy record per point.
+
+- ``gpu_scaling``: dflop vs the best data-blind baseline as the cluster grows;
+- ``mix_shift``: as the share of video (or any modality) in the data changes;
+- ``model_pairs``: as the encoder/LLM compute ratio changes.
+
+The global batch grows with the cluster (``samples_per_gpu``), as it does in
+practice; each point runs the full optimizer (dflop's space and the baselines').
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from dflop.cost.analytical import AnalyticalCostModel
+from dflop.cost.flops import llm_layer_flops, vit_layer_flops
+from dflop.plan.evaluate import PlanningProblem
+from dflop.plan.search import OptimizeResult, optimize
+from dflop.specs import presets
+from dflop.specs.hardware import ClusterSpec, TrainingSpec
+from dflop.workload.mixes import MixSpec, mix, synthesize, with_shares
+
+
+def _problem(encoder: str, llm: str, gpus: int, spec: MixSpec, samples_per_gpu: int, hardware: str,
+             seed: int) -> tuple[PlanningProblem, int]:
+    model = presets.model(encoder, llm)
+    per_node = min(8, gpus)
+    cluster = ClusterSpec(hardware=presets.hardware(hardware), nodes=gpus // per_node, gpus_per_node=per_node)
+    batch = samples_per_gpu * gpus
+    training = TrainingSpec(global_batch=batch, recompute="full")
+    data = synthesize(spec, 20000, model.encoder, seed)
+    return PlanningProblem(model, cluster, training, AnalyticalCostModel(model, cluster.hardware, training),
+                           data, seed), batch
+
+
+def _record(result: OptimizeResult, **point: Any) -> dict[str, Any]:
+    best, base = result.best, result.baseline if result.baselines else None
+    n = best.n
+    out = {**point, "dflop_step_s": best.mean, "dflop_plan": best.plan.describe(),
+           "dflop_placement": best.plan.placement, "dflop_bubble": sum(best.bubble) / n,
+           "dflop_idle": sum(best.idle) / n, "ideal_step_s": result.ideal_s, "search_s": result.seconds}
+    if base is not None:
+        out.update({"baseline_step_s": base.mean, "baseline_plan": base.plan.describe(),
+                    "baseline_bubble": sum(base.bubble) / base.n, "baseline_idle": sum(base.idle) / base.n,
+                    "speedup": result.speedup})
+    return out
+
+
+def gpu_scaling(gpus: Iterable[int], *, encoder: str = "siglip-so400m", llm: str = "qwen2.5-7b",
+                data: str = "llava-ov", samples_per_gpu: int = 8, hardware: str = "h100",
+                seed: int = 0) -> list[dict[str, Any]]:
+    records = []
+    for n in gpus:
+        p, batch = _problem(encoder, llm, n, mix(data), samples_per_gpu, hardware, seed)
+        records.append(_record(optimize(p, batch), gpus=n, global_batch=batch, encoder=encoder, llm=llm))
+    return records
+
+
+def mix_shift(shares: Iterable[dict[str, float]], *, gpus: int = 32, encoder: str = "siglip-so400m",
+              llm: str = "qwen2.5-7b", base: str = "llava-ov", samples_per_gpu: int = 8,
+              hardware: str = "h100", seed: int = 0) -> list[dict[str, Any]]:
+    """One point per modality share, e.g. ``[{"video": 0.1, "image": 0.9}, ...]``."""
+    records = []
+    for share in shares:
+        spec = with_shares(mix(base), **share)
+        p, batch = _problem(encoder, llm, gpus, spec, samples_per_gpu, hardware, seed)
+        records.append(_record(optimize(p, batch), gpus=gpus, **{f"share_{k}": v for k, v in spec.shares.items()}))
+    return records
+
+
+def compute_ratio(problem: PlanningProblem) -> float:
+    """Encoder FLOPs over LLM FLOPs of the data's average sample: how comparable the two loads are."""
+    model, data = problem.model, problem.data
+    tokens = float(data.llm_tokens.mean())
+    square = float((data.llm_tokens.astype(float) ** 2).mean())
+    encoder = vit_layer_flops(model.encoder, float(data.tiles.mean())).total * model.encoder.layers
+    llm = llm_layer_flops(model.llm, tokens, square).total * model.llm.layers
+    return float(encoder / llm)
+
+
+def model_pairs(pairs: Iterable[tuple[str, str]], *, gpus: int = 64, data: str = "llava-ov",
+                samples_per_gpu: int = 8, hardware: str = "h100", seed: int = 0) -> list[dict[str, Any]]:
+    records = []
+    for encoder, llm in pairs:
+        p, batch = _problem(encoder, llm, gpus, mix(data), samples_per_gpu, hardware, seed)
+        records.append(_record(optimize(p, batch), gpus=gpus, encoder=encoder, llm=llm,
+                               encoder_to_llm_flops=compute_ratio(p)))
+    return records
