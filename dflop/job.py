@@ -74,7 +74,7 @@ def setup(config_path: str | Path | None = None, *, gpus: int | None = None, log
     config = load_run_config(config_path)
     cluster = config.cluster.with_gpus(gpus) if gpus else config.cluster
     data, source = load_data(config)
-    cost, note = select_cost_model(config.model, cluster.hardware, config.training)
+    cost, note = select_cost_model(config.model, cluster.hardware, config.training, config.profiles, log)
     log(f"dflop: {config.model.name} on {cluster.gpus} x {cluster.hardware.name}, {source}; {note}")
     return Setup(config, config.model, cluster, config.training, cost, data, source)
 

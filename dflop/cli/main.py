@@ -86,15 +86,33 @@ def profile_data(dataset: Path | None, preset: str | None, samples: int | None, 
 @profile.command("model")
 @click.option("--model", "model_name", required=True, help="Model preset (encoder or LLM), e.g. tiny-llm.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="Default: float32 on CPU, bfloat16 on CUDA.")
-@click.option("--tp", "tps", type=int, multiple=True, help="Tensor-parallel degrees to profile (repeatable).")
+@click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, "
+              "bfloat16 on CUDA).")
+@click.option("--tp", "tps", type=click.IntRange(min=1), multiple=True,
+              help="Tensor-parallel degrees to profile, one shard each (repeatable; default 1).")
+@click.option("--grid", type=click.Choice(["cpu", "gpu", "quick"]), default=None,
+              help="Shapes to measure (default: cpu or gpu by device).")
+@click.option("--repeats", type=click.IntRange(min=1), default=None, help="Timed repeats per shape (median kept).")
+@click.option("--llm", "pair_llm", default=None, help="For an encoder: the LLM its projector maps into.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Profile store folder.")
 @json_option
-def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[int, ...], out: Path,
-                  as_json: bool) -> None:
+def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[int, ...], grid: str | None,
+                  repeats: int | None, pair_llm: str | None, out: Path, as_json: bool) -> None:
     """Measure one block's forward/backward time and memory over a grid of shapes."""
-    raise DflopError("`dflop profile model` is not available yet: it arrives with the model profiler")
+    from dflop.cli.progress import progress_bar
+    from dflop.cost.profiled import holdout_error
+    from dflop.cost.store import ProfileStore
+    from dflop.profile.profiler import profile_model as run_profile
+
+    with progress_bar() as progress:
+        report = run_profile(model_name, out, device=device, dtype=dtype, tps=tps or (1,), grid=grid,
+                             llm=pair_llm, repeats=repeats, progress=progress)
+    records = [r for r in ProfileStore(report.store).read(log) if r["model"] == model_name.strip().lower()]
+    data = {"store": str(report.store), "measured": report.measured, "reused": report.reused,
+            "records": len(records), "holdout_error": holdout_error(records)}
+    emit(data, as_json, lambda r: (f"{r['measured']} shapes measured, {r['reused']} already in {r['store']}; "
+                                   f"held-out error median {r['holdout_error']['median']:.1%}, "
+                                   f"max {r['holdout_error']['max']:.1%}"))
 
 
 # ---- plan, schedule, simulate, run -------------------------------------------------------------

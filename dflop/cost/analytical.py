@@ -47,6 +47,15 @@ class AnalyticalCostModel:
         nbytes = elements * self.training.activation_bytes
         return 2.0 * ring_allreduce_time(nbytes, tp, hw.intra_node_bandwidth, hw.intra_node_latency)
 
+    def tp_comm(self, stage: StageSpec, shape: WorkShape) -> np.ndarray:
+        """Seconds of tensor-parallel communication in one direction (forward or backward) of a stage."""
+        if stage.module == "encoder":
+            elements = np.asarray(shape.tiles, dtype=float) * self.model.encoder.patches_per_tile * \
+                self.model.encoder.hidden
+        else:
+            elements = np.asarray(shape.tokens, dtype=float) * self.model.llm.hidden
+        return stage.layers * self._tp_comm(elements, stage.tp)
+
     def _layers(self, stage: StageSpec, layer: F.LayerFlops, hidden_elements: np.ndarray,
                 act_elements: np.ndarray) -> StageCost:
         tp, n = stage.tp, stage.layers

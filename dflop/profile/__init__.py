@@ -1,0 +1,1 @@
+"""Measuring models: the model profiler (torch) writing to the profile store."""

@@ -40,6 +40,9 @@ class HardwareSpec:
     efficiency: tuple[tuple[float, float], ...]
     """Achieved fraction of peak as a function of the FLOPs of one kernel-sized unit of work
     (one layer on one GPU): points (flops, fraction), interpolated in log(flops)."""
+    device_names: tuple[str, ...] = ()
+    """Names the runtime reports for this device (torch.cuda.get_device_name(), or 'cpu'):
+    measured profiles from these devices apply to this hardware."""
     source: str = ""
 
     def __post_init__(self) -> None:

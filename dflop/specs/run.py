@@ -62,6 +62,8 @@ class RunConfig:
     seed: int = 0
     plan: Plan | None = None
     """A fixed plan; when absent the optimizer chooses one."""
+    profiles: tuple[str, ...] = ()
+    """Profile store folders (written by `dflop profile model`), used besides the shipped profiles."""
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, f"steps: must be at least 1, got {self.steps}")

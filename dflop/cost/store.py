@@ -1,0 +1,113 @@
+"""The profile store: tidy measurement records, one JSON object per line.
+
+Records are appended (and flushed to disk) as they are measured, so a run
+that is interrupted loses nothing; reading de-duplicates on the record key
+(device, module, model, dtype, tp, phase, shape), the last record winning,
+so a rerun can skip whatever is already there. A line that is not a valid
+record is skipped with a warning naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from dflop.errors import DflopError
+
+FILENAME = "profile.jsonl"
+KEY_FIELDS = ("device", "module", "model", "dtype", "tp", "phase")
+
+
+def record_key(record: dict[str, Any]) -> tuple:
+    return tuple(record[f] for f in KEY_FIELDS) + (tuple(sorted(record["shape"].items())),)
+
+
+def _problem(record: Any) -> str | None:
+    """Why ``record`` is not a valid record (None when it is)."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    for name in ("device", "model", "dtype", "phase"):
+        if not isinstance(record.get(name), str):
+            return f"field '{name}' missing or not a string"
+    if record.get("module") not in ("encoder", "llm"):
+        return "field 'module' must be 'encoder' or 'llm'"
+    if not isinstance(record.get("tp"), int) or record["tp"] < 1:
+        return "field 'tp' must be an integer >= 1"
+    shape = record.get("shape")
+    if not isinstance(shape, dict) or not shape or not all(isinstance(v, (int, float)) for v in shape.values()):
+        return "field 'shape' must map names to numbers"
+    for name in ("fwd_ms", "bwd_ms", "memory_bytes"):
+        value = record.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            return f"field '{name}' must be a number >= 0"
+    return None
+
+
+@dataclass(frozen=True)
+class ProfileStore:
+    path: Path
+
+    @classmethod
+    def in_dir(cls, folder: str | Path) -> "ProfileStore":
+        folder = Path(folder)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DflopError(f"{folder}: cannot create the profile folder ({exc.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise DflopError(f"{folder}: profile folder is not writable")
+        return cls(folder / FILENAME)
+
+    def append(self, record: dict[str, Any]) -> None:
+        problem = _problem(record)
+        if problem:
+            raise ValueError(f"not a profile record: {problem}")
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+        return read_records(self.path.read_text() if self.path.exists() else "", str(self.path), warn)
+
+
+def read_records(text: str, where: str, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    latest: dict[tuple, dict[str, Any]] = {}
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            problem = _problem(record)
+        except json.JSONDecodeError as exc:
+            problem = f"not valid JSON ({exc.msg})"
+        if problem:
+            if warn is not None:
+                warn(f"{where}:{line_no}: skipped a corrupt profile record ({problem})")
+            continue
+        latest[record_key(record)] = record
+    return list(latest.values())
+
+
+def shipped_records(warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Profiles that ship with dflop (measured on the machines their ``device`` names)."""
+    folder = resources.files("dflop.cost").joinpath("profiles")
+    out: list[dict[str, Any]] = []
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".jsonl"):
+            out.extend(read_records(entry.read_text(), f"dflop/cost/profiles/{entry.name}", warn))
+    return out
+
+
+def load_records(folders: Iterable[str | Path] = (), warn: Callable[[str], None] | None = None,
+                 shipped: bool = True) -> list[dict[str, Any]]:
+    """Shipped records plus those of every store folder, de-duplicated (later sources win)."""
+    records = shipped_records(warn) if shipped else []
+    for folder in folders:
+        records.extend(ProfileStore(Path(folder) / FILENAME).read(warn))
+    latest = {record_key(r): r for r in records}
+    return list(latest.values())

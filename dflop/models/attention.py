@@ -1,0 +1,63 @@
+"""Attention over packed variable-length samples: every sample attends only to itself.
+
+Training packs the samples of a microbatch into one sequence (no padding);
+attention must then be block-diagonal. With flash-attn installed and a CUDA
+half-precision tensor, its varlen kernel does exactly that from the
+cumulative sequence lengths; otherwise each sample goes through PyTorch's
+``scaled_dot_product_attention`` on its own slice (same result, exact, no
+T x T mask in memory).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # only in the `gpu` extra
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_varlen_func = None
+
+
+def flash_available(q: torch.Tensor) -> bool:
+    return flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                     causal: bool, use_flash: bool | None = None) -> torch.Tensor:
+    """q: (T, Hq, D); k, v: (T, Hkv, D) with Hq a multiple of Hkv; cu_seqlens: (samples + 1,) int32."""
+    if use_flash is None:
+        use_flash = flash_available(q)
+    if use_flash:
+        if flash_attn_varlen_func is None:
+            raise RuntimeError("flash-attn is not installed (pip install 'dflop[gpu]')")
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, longest, longest, causal=causal)
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    groups = q.shape[1] // k.shape[1]
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # (H, L, D)
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal,
+                                                        enable_gqa=groups > 1).transpose(0, 1)
+    return out
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                        causal: bool) -> torch.Tensor:
+    """The naive definition, for tests: full scores, a block-diagonal (and causal) mask, softmax."""
+    t, heads, dim = q.shape
+    groups = heads // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    sample = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=q.device),
+                                     (cu_seqlens[1:] - cu_seqlens[:-1]).long())
+    allowed = sample[:, None] == sample[None, :]
+    if causal:
+        allowed &= torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("qhd,khd->hqk", q.to(wide), k.to(wide)) / dim**0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.to(wide)).to(q.dtype)

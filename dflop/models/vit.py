@@ -1,0 +1,103 @@
+"""A ViT vision encoder (SigLIP or InternViT layout) with the projector into the LLM.
+
+Each tile is its own sequence of patches (all tiles have the same length, so
+attention is an ordinary batched call). SigLIP: LayerNorm, GELU (tanh) MLP,
+biases. InternViT: LayerNorm or RMSNorm, optional query/key normalisation,
+layer scale, and a pixel shuffle that merges 2x2 patches into one token before
+the projector. The projector is LLaVA's two-layer GELU MLP (or a linear map).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from dflop.models.llm import RMSNorm, shard
+from dflop.specs.models import EncoderSpec, MLLMSpec
+
+
+def _norm(spec: EncoderSpec, dim: int) -> nn.Module:
+    return RMSNorm(dim) if spec.norm == "rmsnorm" else nn.LayerNorm(dim, eps=1e-6)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, spec: EncoderSpec, tp: int = 1) -> None:
+        super().__init__()
+        self.spec = spec
+        self.heads = shard(spec.heads, tp, "attention heads")
+        h, inner = spec.hidden, self.heads * spec.head_dim
+        self.norm1 = _norm(spec, h)
+        self.qkv = nn.Linear(h, 3 * inner, bias=spec.qkv_bias)
+        self.q_norm = RMSNorm(inner) if spec.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(inner) if spec.qk_norm else nn.Identity()
+        self.proj = nn.Linear(inner, h)
+        self.norm2 = _norm(spec, h)
+        self.fc1 = nn.Linear(h, shard(spec.mlp, tp, "MLP channels"))
+        self.fc2 = nn.Linear(shard(spec.mlp, tp, "MLP channels"), h)
+        scale = spec.family == "internvit"
+        self.ls1 = nn.Parameter(0.1 * torch.ones(h)) if scale else None
+        self.ls2 = nn.Parameter(0.1 * torch.ones(h)) if scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tiles, length, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        q, k = self.q_norm(q), self.k_norm(k)
+        split = lambda t: t.view(tiles, length, self.heads, -1).transpose(1, 2)  # noqa: E731
+        a = F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(1, 2).reshape(tiles, length, -1)
+        a = self.proj(a)
+        x = x + (a * self.ls1 if self.ls1 is not None else a)
+        m = self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+        return x + (m * self.ls2 if self.ls2 is not None else m)
+
+
+def pixel_shuffle(x: torch.Tensor, merge: int) -> torch.Tensor:
+    """(tiles, side*side, C) -> (tiles, side*side/merge, C*merge): neighbouring patches become one token."""
+    if merge == 1:
+        return x
+    tiles, length, channels = x.shape
+    side, r = math.isqrt(length), math.isqrt(merge)
+    x = x.view(tiles, side // r, r, side // r, r, channels).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(tiles, (side // r) ** 2, channels * merge)
+
+
+class Projector(nn.Module):
+    def __init__(self, model: MLLMSpec) -> None:
+        super().__init__()
+        self.merge = model.encoder.merge
+        out = model.llm.hidden
+        if model.projector == "linear":
+            self.layers = nn.Sequential(nn.Linear(model.projector_in, out))
+        else:
+            self.layers = nn.Sequential(nn.Linear(model.projector_in, out), nn.GELU(), nn.Linear(out, out))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.layers(pixel_shuffle(features, self.merge))
+
+
+class VisionEncoder(nn.Module):
+    """Tiles (n, 3, size, size) to LLM embeddings (n, tokens per tile, LLM hidden)."""
+
+    def __init__(self, model: MLLMSpec, tp: int = 1, layers: int | None = None,
+                 checkpointing: bool = False) -> None:
+        super().__init__()
+        spec = model.encoder
+        self.spec, self.checkpointing = spec, checkpointing
+        side = spec.image_size // spec.patch_size
+        self.patch = nn.Conv2d(3, spec.hidden, kernel_size=spec.patch_size, stride=spec.patch_size)
+        self.position = nn.Parameter(torch.zeros(side * side, spec.hidden))
+        self.blocks = nn.ModuleList(VisionBlock(spec, tp) for _ in range(layers or spec.layers))
+        self.projector = Projector(model)
+
+    def embed(self, pixels: torch.Tensor) -> torch.Tensor:
+        side = self.spec.image_size // self.spec.patch_size * self.spec.patch_size
+        return self.patch(pixels[..., :side, :side]).flatten(2).transpose(1, 2) + self.position
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(pixels)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing and self.training else block(x)
+        return self.projector(x)

@@ -1,0 +1,278 @@
+"""The model profiler: one block's forward and backward time and memory over a grid of shapes.
+
+Per module it measures a transformer block (encoder: by tiles; LLM: by packed
+tokens and by per-sample length, so attention's quadratic part separates from
+the linear part) and the fixed parts (patch embedding and projector; token
+embedding and LM head with the loss), each with warm-up and repeats, keeping
+the median and the spread (p90 - p10 over the median).
+
+Time: on CUDA, CUDA events; on CPU, wall time. Memory: on CUDA, the
+allocator's peak during forward above what was allocated before; on CPU, the
+bytes of the distinct tensors autograd keeps for backward, parameters
+excluded: the activation memory one microbatch holds until its backward.
+
+Every record is appended to the store as soon as it is measured; shapes
+already in the store are skipped, so an interrupted run resumes where it
+stopped. A few shapes between grid points are measured too and marked
+``holdout``: the profiled cost model never fits on them and reports its error
+on them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dflop.cost.store import ProfileStore, record_key
+from dflop.errors import DflopError
+from dflop.models.llm import DecoderBlock, RMSNorm, pack, shard, wide
+from dflop.models.vit import Projector, VisionBlock
+from dflop.specs import presets
+from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIN_SAMPLE_MS = {"cpu": 5.0, "cuda": 1.0}
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class Grid:
+    tokens: tuple[int, ...]
+    seq: tuple[int, ...]
+    """Per-sample lengths the tokens are packed into."""
+    tiles: tuple[int, ...]
+    holdout_llm: tuple[tuple[int, int], ...]
+    holdout_tiles: tuple[int, ...]
+
+
+GRIDS = {
+    "cpu": Grid(tokens=(128, 256, 512, 1024, 2048), seq=(64, 256, 1024), tiles=(1, 2, 4, 8, 16),
+                holdout_llm=((384, 128), (768, 256), (1536, 512)), holdout_tiles=(3, 6, 12)),
+    "gpu": Grid(tokens=(1024, 2048, 4096, 8192, 16384, 32768), seq=(512, 2048, 8192), tiles=(1, 4, 8, 16, 32, 64),
+                holdout_llm=((3072, 1024), (6144, 2048), (12288, 4096)), holdout_tiles=(6, 12, 24)),
+    "quick": Grid(tokens=(64, 256), seq=(64, 256), tiles=(1, 4), holdout_llm=((128, 64),), holdout_tiles=(2,)),
+}
+
+
+def resolve(name: str) -> tuple[str, EncoderSpec | LLMSpec]:
+    key = name.strip().lower()
+    if key in presets.names("encoders"):
+        return "encoder", presets.encoder(key)
+    if key in presets.names("llms"):
+        return "llm", presets.llm(key)
+    known = presets.names("encoders") + presets.names("llms")
+    raise DflopError(f"unknown model '{name}' (known: {', '.join(known)})")
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def check_device(device: str, dtype: str) -> torch.dtype:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DflopError("--device cuda: this machine has no CUDA device (use --device cpu)")
+    if dtype not in DTYPES:
+        raise DflopError(f"--dtype {dtype}: unknown (known: {', '.join(DTYPES)})")
+    if device == "cpu" and dtype == "float16":
+        raise DflopError("--dtype float16 is not supported for training on cpu (use float32 or bfloat16)")
+    if device == "cuda" and dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise DflopError("--dtype bfloat16: this GPU has no bfloat16 support (use float16 or float32)")
+    return DTYPES[dtype]
+
+
+@contextmanager
+def saved_bytes(module: nn.Module) -> Iterator[list[int]]:
+    """Bytes of the distinct storages autograd saves while in this context (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: set[int] = set()
+    total = [0]
+
+    def pack_hook(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            total[0] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        yield total
+
+
+class Timer:
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end), out
+        begin = time.perf_counter_ns()
+        out = fn()
+        return (time.perf_counter_ns() - begin) / 1e6, out
+
+
+def _spread(values: list[float]) -> float:
+    ordered = sorted(values)
+    lo, hi = ordered[int(0.1 * (len(ordered) - 1))], ordered[int(round(0.9 * (len(ordered) - 1)))]
+    return (hi - lo) / statistics.median(values)
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out if out.dim() == 0 else out.float().pow(2).mean()
+
+
+def measure(module: nn.Module, make_inputs: Callable[[], tuple], device: str, warmup: int,
+            repeats: int) -> dict[str, float]:
+    """Median forward and backward ms, their spread, and the activation bytes of one forward.
+
+    Fast ops run ``inner`` times inside each timed sample (enough for MIN_SAMPLE_MS), so that
+    timer resolution and scheduling noise do not dominate sub-millisecond measurements."""
+    timer = Timer(device)
+    inputs = make_inputs()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        once, out = timer(lambda: module(*inputs))
+        memory = float(torch.cuda.max_memory_allocated() - before)
+    else:
+        with saved_bytes(module) as saved:
+            once, out = timer(lambda: module(*inputs))
+        memory = float(saved[0])
+    _loss(out).backward()
+    inner = max(1, math.ceil(MIN_SAMPLE_MS[device] / max(once, 1e-3)))
+    fwd, bwd = [], []
+    for i in range(warmup + repeats):
+        batches = [make_inputs() for _ in range(inner)]
+        t_fwd, outs = timer(lambda: [module(*x) for x in batches])
+        losses = [_loss(o) for o in outs]
+        t_bwd, _ = timer(lambda: [loss.backward() for loss in losses])
+        module.zero_grad(set_to_none=True)
+        if i >= warmup:
+            fwd.append(t_fwd / inner)
+            bwd.append(t_bwd / inner)
+    return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd),
+            "fwd_spread": _spread(fwd), "bwd_spread": _spread(bwd), "memory_bytes": memory,
+            "inner": inner}
+
+
+class _Head(nn.Module):
+    """Final norm, LM head and the loss: what the last LLM stage adds."""
+
+    def __init__(self, spec: LLMSpec, tp: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(spec.hidden)
+        self.head = nn.Linear(spec.hidden, shard(spec.vocab, tp, "vocabulary entries"), bias=False)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(wide(self.head(self.norm(x))), target)
+
+
+class _PatchEmbed(nn.Module):
+    def __init__(self, spec: EncoderSpec) -> None:
+        super().__init__()
+        side = spec.image_size // spec.patch_size
+        self.conv = nn.Conv2d(3, spec.hidden, spec.patch_size, stride=spec.patch_size)
+        self.position = nn.Parameter(torch.zeros(side * side, spec.hidden))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.conv(pixels).flatten(2).transpose(1, 2) + self.position
+
+
+def jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: Grid, dtype: torch.dtype,
+         device: str) -> Iterator[tuple[str, dict[str, int], bool, Callable[[], nn.Module], Callable[[], tuple]]]:
+    """(phase, shape, holdout, module factory, input factory) of everything to measure."""
+    opts = {"dtype": dtype, "device": device}
+
+    def tensor(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, **opts, requires_grad=True)
+
+    if kind == "llm":
+        h = spec.hidden
+        shapes = [(t, s, False) for t in grid.tokens for s in grid.seq if s <= t]
+        shapes += [(t, s, True) for t, s in grid.holdout_llm]
+        for tokens, seq, holdout in shapes:
+            lengths = [seq] * (tokens // seq) + ([tokens % seq] if tokens % seq else [])
+            positions, cu = pack(lengths, device)
+            yield ("block", {"tokens": tokens, "seq": seq}, holdout,
+                   lambda: DecoderBlock(spec, tp).to(**opts),
+                   lambda t=tokens, p=positions, c=cu: (tensor(t, h), p, c))
+        for tokens in sorted({t for t, _, _ in shapes}):
+            holdout = tokens not in grid.tokens
+            yield ("embed", {"tokens": tokens}, holdout,
+                   lambda: nn.Embedding(shard(spec.vocab, tp, "vocabulary entries"), h).to(**opts),
+                   lambda t=tokens: (torch.randint(0, spec.vocab // tp, (t,), device=device),))
+            yield ("head", {"tokens": tokens}, holdout, lambda: _Head(spec, tp).to(**opts),
+                   lambda t=tokens: (tensor(t, h), torch.randint(0, spec.vocab // tp, (t,), device=device)))
+        return
+    side = spec.image_size // spec.patch_size
+    shapes = [(t, False) for t in grid.tiles] + [(t, True) for t in grid.holdout_tiles]
+    for tiles, holdout in shapes:
+        yield ("block", {"tiles": tiles}, holdout, lambda: VisionBlock(spec, tp).to(**opts),
+               lambda n=tiles: (tensor(n, side * side, spec.hidden),))
+        yield ("embed", {"tiles": tiles}, holdout, lambda: _PatchEmbed(spec).to(**opts),
+               lambda n=tiles: (tensor(n, 3, spec.image_size, spec.image_size),))
+        yield ("projector", {"tiles": tiles}, holdout, lambda: Projector(pair).to(**opts),
+               lambda n=tiles: (tensor(n, side * side, spec.hidden),))
+
+
+def default_llm(encoder: str) -> str:
+    return "tiny-llm" if encoder.startswith("tiny") else "qwen2.5-7b"
+
+
+@dataclass
+class ProfileReport:
+    measured: int
+    reused: int
+    store: Path
+
+
+def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
+                  tps: tuple[int, ...] = (1,), grid: str | None = None, llm: str | None = None,
+                  warmup: int = 2, repeats: int | None = None,
+                  progress: Progress | None = None) -> ProfileReport:
+    kind, spec = resolve(name)
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    torch_dtype = check_device(device, dtype)
+    store = ProfileStore.in_dir(out)
+    if grid not in (None, *GRIDS):
+        raise DflopError(f"--grid {grid}: unknown (known: {', '.join(GRIDS)})")
+    chosen = GRIDS[grid or ("gpu" if device == "cuda" else "cpu")]
+    repeats = repeats or (20 if device == "cuda" else 7)
+    pair = MLLMSpec(encoder=spec, llm=presets.llm(llm or default_llm(spec.name))) if kind == "encoder" else None
+    done = {record_key(r) for r in store.read()}
+    todo = [(tp, job) for tp in tps for job in jobs(kind, spec, pair, tp, chosen, torch_dtype, device)]
+    where = device_name(device)
+    base = {"device": where, "module": kind, "model": spec.name, "dtype": dtype}
+    report = ProfileReport(0, 0, store.path)
+    torch.manual_seed(0)
+    for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(todo):
+        record = {**base, "tp": tp, "phase": phase, "shape": shape}
+        if progress is not None:
+            progress(f"{spec.name} tp{tp} {phase} {shape}", index, len(todo))
+        if record_key(record) in done:
+            report.reused += 1
+            continue
+        module = make_module()
+        figures = measure(module, make_inputs, device, warmup, repeats)
+        store.append({**record, **figures, "holdout": holdout, "repeats": repeats,
+                      "torch": torch.__version__, "measured_at": datetime.now(timezone.utc).isoformat()})
+        report.measured += 1
+    if progress is not None:
+        progress(f"{spec.name} done", len(todo), len(todo))
+    return report

@@ -1,0 +1,73 @@
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflop.errors import DflopError
+from dflop.models import (DecoderBlock, DecoderLLM, VisionEncoder, pack, packed_loss, reference_attention,
+                          varlen_attention)
+from dflop.specs import MLLMSpec, presets
+
+TINY = presets.model("tiny-vit", "tiny-llm")
+
+
+@settings(max_examples=40)
+@given(lengths=st.lists(st.integers(1, 24), min_size=1, max_size=5), causal=st.booleans(),
+       groups=st.sampled_from([1, 2, 4]), seed=st.integers(0, 1000))
+def test_varlen_attention_matches_the_naive_reference(lengths, causal, groups, seed):
+    torch.manual_seed(seed)
+    t, kv = sum(lengths), 2
+    q = torch.randn(t, kv * groups, 16, dtype=torch.float64)
+    k, v = torch.randn(t, kv, 16, dtype=torch.float64), torch.randn(t, kv, 16, dtype=torch.float64)
+    _, cu = pack(lengths)
+    fast = varlen_attention(q, k, v, cu, causal=causal, use_flash=False)
+    assert torch.allclose(fast, reference_attention(q, k, v, cu, causal=causal), atol=1e-10)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_gradients_equal_the_sum_of_per_sample_gradients(checkpointing):
+    torch.manual_seed(0)
+    model = DecoderLLM(TINY.llm, checkpointing=checkpointing).double()
+    lengths = [9, 3, 14]
+    tokens = torch.randint(0, TINY.llm.vocab, (sum(lengths),))
+    positions, cu = pack(lengths)
+    packed = packed_loss(model(tokens, positions, cu), tokens, cu)
+    packed.backward()
+    together = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    total, start = 0.0, 0
+    for n in lengths:
+        p1, c1 = pack([n])
+        part = tokens[start:start + n]
+        start += n
+        loss = packed_loss(model(part, p1, c1), part, c1)
+        loss.backward()
+        total += loss.item()
+    assert packed.item() == pytest.approx(total, rel=1e-12)
+    for a, p in zip(together, model.parameters()):
+        assert torch.allclose(a, p.grad, atol=1e-10)
+
+
+def test_vision_encoder_feeds_the_llm_the_tokens_the_tiling_promises():
+    enc = VisionEncoder(TINY)
+    out = enc(torch.randn(3, 3, 64, 64))
+    assert out.shape == (3, TINY.encoder.tiling.tile_tokens, TINY.llm.hidden)
+    small = replace(presets.encoder("internvit-300m"), layers=1, hidden=64, heads=4, mlp=128, image_size=56)
+    shuffled = VisionEncoder(MLLMSpec(encoder=small, llm=TINY.llm))(torch.randn(2, 3, 56, 56))
+    assert shuffled.shape == (2, (56 // 14) ** 2 // 4, TINY.llm.hidden)  # pixel shuffle: 4 patches -> 1 token
+
+
+def test_tensor_parallel_shard_halves_the_block():
+    full, half = DecoderBlock(TINY.llm), DecoderBlock(TINY.llm, tp=2)
+    assert half.q.out_features == full.q.out_features // 2 and half.gate.out_features == full.gate.out_features // 2
+    with pytest.raises(DflopError, match="tp 3 does not divide the 4 attention heads"):
+        DecoderBlock(TINY.llm, tp=3)
+
+
+def test_bfloat16_runs_on_cpu():
+    model = DecoderLLM(TINY.llm, layers=1).to(torch.bfloat16)
+    positions, cu = pack([5, 7])
+    logits = model(torch.randint(0, TINY.llm.vocab, (12,)), positions, cu)
+    assert logits.dtype == torch.bfloat16 and logits.shape == (12, TINY.llm.vocab)

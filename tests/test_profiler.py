@@ -1,0 +1,145 @@
+import json
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cli_helpers import assert_one_line_error, dflop, dflop_json
+from dflop.cost import StageSpec, WorkShape
+from dflop.cost.profiled import ProfiledCostModel, holdout_error
+from dflop.cost.select import select_cost_model
+from dflop.cost.store import ProfileStore, shipped_records
+from dflop.specs import TrainingSpec, presets
+
+TINY = presets.model("tiny-vit", "tiny-llm")
+CPU = presets.hardware("cpu")
+
+
+def test_quick_profile_and_rerun(tmp_path):
+    first = dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--repeats", 2,
+                       "--out", tmp_path)
+    assert first["measured"] == first["records"] > 0 and first["reused"] == 0
+    records = ProfileStore.in_dir(tmp_path).read()
+    assert {r["phase"] for r in records} == {"block", "embed", "head"}
+    assert all(r["fwd_ms"] > 0 and r["memory_bytes"] >= 0 and r["device"] == "cpu" for r in records)
+    again = dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--out", tmp_path)
+    assert again["measured"] == 0 and again["reused"] == first["records"]
+
+
+def test_killed_run_resumes_with_only_what_is_missing(tmp_path):
+    store = tmp_path / "profile.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "dflop.cli.main", "profile", "model", "--model", "tiny-llm",
+                             "--repeats", "15", "--out", str(tmp_path)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not store.exists() or len(store.read_text().splitlines()) < 6):
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    kept = ProfileStore(store).read()
+    assert 6 <= len(kept) < 30  # stopped part-way, with what it measured on disk
+    before = {json.dumps(r, sort_keys=True) for r in kept}
+    rerun = dflop_json("profile", "model", "--model", "tiny-llm", "--repeats", "3", "--out", tmp_path)
+    assert rerun["reused"] == len(kept) and rerun["measured"] == 30 - len(kept)
+    after = {json.dumps(r, sort_keys=True) for r in ProfileStore(store).read()}
+    assert before <= after and len(after) == 30  # nothing measured was lost or measured again
+
+
+def test_bad_input(tmp_path):
+    assert_one_line_error(dflop("profile", "model", "--model", "gpt-5", "--out", tmp_path),
+                          "unknown model 'gpt-5' (known: siglip-so400m")
+    assert_one_line_error(dflop("profile", "model", "--model", "tiny-llm", "--dtype", "float16", "--out", tmp_path),
+                          "float16 is not supported for training on cpu")
+    assert_one_line_error(dflop("profile", "model", "--model", "tiny-llm", "--dtype", "fp8", "--out", tmp_path),
+                          "--dtype fp8: unknown")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_one_line_error(dflop("profile", "model", "--model", "tiny-llm", "--out", blocker / "store"),
+                          "cannot create the profile folder")
+    cuda = dflop("profile", "model", "--model", "tiny-llm", "--device", "cuda", "--grid", "quick",
+                 "--repeats", "1", "--out", tmp_path / "gpu")
+    if torch.cuda.is_available():
+        assert cuda.returncode == 0
+    else:
+        assert_one_line_error(cuda, "--device cuda: this machine has no CUDA device")
+
+
+def test_corrupt_record_is_skipped_with_a_warning_naming_the_line(tmp_path):
+    dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--repeats", 1, "--out", tmp_path)
+    store = tmp_path / "profile.jsonl"
+    lines = store.read_text().splitlines()
+    lines[1] = lines[1][: len(lines[1]) // 2]  # a half-written line
+    store.write_text("\n".join(lines) + "\n")
+    seen = []
+    assert len(ProfileStore(store).read(seen.append)) == len(lines) - 1
+    assert len(seen) == 1 and seen[0].startswith(f"{store}:2: skipped a corrupt profile record (not valid JSON")
+    proc = dflop("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--repeats", "1", "--out", tmp_path,
+                 "--json")
+    assert proc.returncode == 0 and f"{store}:2: skipped a corrupt profile record" in proc.stderr
+    assert json.loads(proc.stdout)["measured"] == 1  # only the lost shape is measured again
+
+
+def test_shipped_profile_predicts_held_out_shapes():
+    records = shipped_records()
+    assert {r["model"] for r in records} >= {"tiny-llm", "tiny-vit"}
+    error = holdout_error(records)
+    assert error["shapes"] >= 10 and error["median"] < 0.10
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    cost, note = select_cost_model(TINY, CPU, TrainingSpec(global_batch=8))
+    assert isinstance(cost, ProfiledCostModel) and note.startswith("cost model: profiled (cpu")
+    return cost
+
+
+shape = st.tuples(st.integers(1, 2048), st.integers(1, 2048), st.integers(0, 16))
+
+
+@pytest.mark.filterwarnings("ignore:profiled cost model")  # sums may pass the grid: extrapolation is fine here
+@given(a=shape, b=shape, layers=st.integers(1, 4))
+def test_profiled_times_grow_with_work_and_are_subadditive(profiled, a, b, layers):
+    def work(s):
+        tokens, longest, tiles = s
+        longest = min(longest, tokens)
+        return WorkShape(1, tiles, tokens, longest * longest)
+
+    both = WorkShape(2, a[2] + b[2], a[0] + b[0], work(a).sum_sq + work(b).sum_sq)
+    for module in ("llm", "encoder"):
+        stage = StageSpec(module, layers, first=True, last=True)
+        x, y, z = (profiled.stage_cost(stage, s) for s in (work(a), work(b), both))
+        for field in ("fwd", "bwd_input", "bwd_weight"):
+            fx, fy, fz = (float(getattr(c, field)) for c in (x, y, z))
+            assert max(fx, fy) * (1 - 1e-9) <= fz <= (fx + fy) * (1 + 1e-9)
+
+
+def test_profiled_model_warns_beyond_its_grid():
+    fresh, _ = select_cost_model(TINY, CPU, TrainingSpec(global_batch=8))  # it warns once per model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh.stage_cost(StageSpec("llm", 2), WorkShape(1, 0, 100_000, 100_000**2))
+        fresh.stage_cost(StageSpec("llm", 2), WorkShape(1, 0, 200_000, 200_000**2))
+    beyond = [w for w in caught if "beyond the profiled range" in str(w.message)]
+    assert len(beyond) == 1 and "llm block at 100000" in str(beyond[0].message)
+
+
+def test_selection_falls_back_to_the_analytical_model():
+    cost, note = select_cost_model(presets.model("siglip-so400m", "qwen2.5-7b"), presets.hardware("h100"),
+                                   TrainingSpec(global_batch=8))
+    assert note.startswith("cost model: analytical") and not isinstance(cost, ProfiledCostModel)
+
+
+def test_optimize_uses_the_profiled_model_for_the_tiny_pair(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text("encoder: tiny-vit\nllm: tiny-llm\ncluster: {hardware: cpu, nodes: 1, gpus_per_node: 4}\n"
+                      "training: {global_batch: 32}\ndata: {preset: llava-ov, samples: 2000}\n")
+    proc = dflop("optimize", "--config", config, "--out", tmp_path / "plan.yaml", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "cost model: profiled (cpu, float32" in proc.stderr
+    assert json.loads(proc.stdout)["plan"]["step_time_s"] > 0
