@@ -295,9 +295,17 @@ def _writable(path: Path) -> Path:
 
 # ---- entry point -----------------------------------------------------------------------------
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001
+    return f"dflop: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
+    if not debug:
+        import warnings
+
+        warnings.formatwarning = _one_line_warning
     try:
         cli.main(args=args, prog_name="dflop", standalone_mode=False)
     except click.exceptions.Exit as exc:

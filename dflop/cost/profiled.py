@@ -3,21 +3,26 @@
 For each module, phase (block, embed, head, projector) and tensor-parallel
 degree, time is fitted as
 
-    t(x) = a + sum_i w_i * min(x, k_i) + w * x  (+ c * sum of squared lengths, LLM blocks)
+    t(x) = a + sum_i w_i * min(x, k_i) + w * x  (+ c * sum of squared lengths + s * samples,
+                                                  for LLM blocks over packed samples)
 
 with every coefficient >= 0, x the tokens (LLM) or tiles (encoder) and k_i the
 profiled grid points: piecewise linear, increasing, concave in x, and additive
-in the attention term. Those properties are not cosmetic: they keep time
+in the attention term and in the per-sample overhead (a kernel per sample where
+attention is not a single varlen kernel). Those properties are not cosmetic: they keep time
 subadditive, which the optimizer's pruning bounds rely on. Memory is fitted
 the same way (linear in x). The fit weights relative error, as times span
 decades. Shapes beyond the profiled range are extrapolated along the last
 segment, with a warning; ``holdout_error`` reports the error on measured
 shapes the fit never saw.
 
-What a profile cannot tell (how backward splits into input and weight
-gradients, the tensor-parallel all-reduces, full recomputation) comes from the
-analytical model, as does every tensor-parallel degree that was not profiled
-(the tp=1 compute divided by tp).
+Backward splits into input and weight gradients as in the analytical model:
+the weight gradient is one GEMM per forward GEMM, so it takes half of the
+backward's token- or tile-linear part, and the attention and per-sample terms
+(and full recomputation) all go to the input gradient. The split is
+subadditive too, and W ops of zero-bubble schedules inherit it. The
+tensor-parallel all-reduces come from the analytical model, as does every
+tensor-parallel degree that was not profiled (the tp=1 compute divided by tp).
 """
 
 from __future__ import annotations
@@ -66,38 +71,45 @@ class Fit:
     coef: np.ndarray
     top: float
     """Largest x profiled."""
-    quadratic: bool
+    packed: bool
+    """Also a term in the sum of squared lengths and one per packed sample (LLM blocks)."""
 
     @staticmethod
-    def basis(x: np.ndarray, sq: np.ndarray | None, knots: tuple[float, ...]) -> np.ndarray:
+    def basis(x: np.ndarray, knots: tuple[float, ...], sq: np.ndarray | None = None,
+              samples: np.ndarray | None = None) -> np.ndarray:
         cols = [np.ones_like(x)] + [np.minimum(x, k) for k in knots] + [x]
         if sq is not None:
-            cols.append(sq)
+            cols += [sq, samples]
         return np.stack(cols, axis=-1)
 
     @classmethod
-    def of(cls, x: np.ndarray, y: np.ndarray, sq: np.ndarray | None = None) -> "Fit":
+    def of(cls, x: np.ndarray, y: np.ndarray, sq: np.ndarray | None = None,
+           samples: np.ndarray | None = None) -> "Fit":
         grid = sorted(set(x.tolist()))
         knots = tuple(grid[1:-1]) if len(grid) > 3 else ()
-        a = cls.basis(x, sq, knots)
+        a = cls.basis(x, knots, sq, samples)
         weight = 1.0 / np.maximum(y, 1e-12)
         coef = nnls(a * weight[:, None], y * weight)
         return cls(knots, coef, float(max(grid)), sq is not None)
 
-    def __call__(self, x: Any, sq: Any = None) -> np.ndarray:
+    def __call__(self, x: Any, sq: Any = None, samples: Any = None) -> np.ndarray:
         x = np.asarray(x, dtype=float)
-        sq = np.asarray(sq, dtype=float) if self.quadratic else None
-        value = self.basis(x, np.broadcast_to(sq, x.shape) if sq is not None else None, self.knots) @ self.coef
+        extra = ()
+        if self.packed:
+            extra = (np.broadcast_to(np.asarray(sq, dtype=float), x.shape),
+                     np.broadcast_to(np.asarray(samples, dtype=float), x.shape))
+        value = self.basis(x, self.knots, *extra) @ self.coef
         return np.where(x > 0, value, 0.0)
 
 
-def _shape_x(record: dict) -> tuple[float, float | None]:
+def _shape_x(record: dict) -> tuple[float, float | None, float | None]:
+    """(tokens or tiles, sum of squared lengths, packed samples) of a record's shape."""
     shape = record["shape"]
-    if "tiles" in shape:
-        return float(shape["tiles"]), None
-    tokens, seq = shape["tokens"], shape.get("seq", shape["tokens"])
+    if "seq" not in shape:
+        return float(shape.get("tiles", shape.get("tokens"))), None, None
+    tokens, seq = shape["tokens"], shape["seq"]
     full, rest = divmod(tokens, seq)
-    return float(tokens), float(full * seq * seq + rest * rest) if "seq" in shape else None
+    return float(tokens), float(full * seq * seq + rest * rest), float(full + (1 if rest else 0))
 
 
 def fit(records: list[dict]) -> dict[tuple, Fit]:
@@ -110,10 +122,12 @@ def fit(records: list[dict]) -> dict[tuple, Fit]:
     for key, rows in groups.items():
         xs = [_shape_x(r) for r in rows]
         x = np.array([v[0] for v in xs])
-        sq = np.array([v[1] for v in xs]) if key[1] == "block" and xs[0][1] is not None else None
+        packed = xs[0][1] is not None
+        sq = np.array([v[1] for v in xs]) if packed else None
+        samples = np.array([v[2] for v in xs]) if packed else None
         for name in ("fwd_ms", "bwd_ms", "memory_bytes"):
             y = np.array([r[name] for r in rows], dtype=float)
-            fits[key + (name,)] = Fit.of(x, y, sq if name != "memory_bytes" else None)
+            fits[key + (name,)] = Fit.of(x, y, sq, samples) if name != "memory_bytes" else Fit.of(x, y)
     return fits
 
 
@@ -124,10 +138,10 @@ def holdout_error(records: list[dict], fits: dict[tuple, Fit] | None = None) -> 
     for r in records:
         if not r.get("holdout") or (r["module"], r["phase"], r["tp"], "fwd_ms") not in fits:
             continue
-        x, sq = _shape_x(r)
+        x, sq, samples = _shape_x(r)
         for name in ("fwd_ms", "bwd_ms"):
             f = fits[(r["module"], r["phase"], r["tp"], name)]
-            predicted = float(f(np.array(x), np.array(sq) if sq is not None else None))
+            predicted = float(f(np.array(x), sq, samples))
             errors.append(abs(predicted - r[name]) / r[name])
     if not errors:
         return {"median": float("nan"), "max": float("nan"), "shapes": 0}
@@ -153,7 +167,8 @@ class ProfiledCostModel:
     def name(self) -> str:
         return f"profiled ({self.device}, {self.dtype}, {len(self.records)} records)"
 
-    def _part(self, module: str, phase: str, tp: int, x: np.ndarray, sq: np.ndarray | None) -> tuple:
+    def _part(self, module: str, phase: str, tp: int, x: np.ndarray, sq: np.ndarray | None = None,
+              samples: np.ndarray | None = None) -> tuple:
         """(fwd s, bwd s, bytes) of one part on a tp shard; unprofiled tp divides tp=1's compute."""
         scale = 1.0
         if (module, phase, tp, "fwd_ms") not in self.fits:
@@ -164,33 +179,35 @@ class ProfiledCostModel:
             self._warned.add((module, phase))
             warnings.warn(f"profiled cost model: {module} {phase} at {np.max(x):.0f} is beyond the profiled "
                           f"range (up to {fwd.top:.0f}); extrapolating", stacklevel=3)
-        f = fwd(x, sq) * 1e-3 * scale
-        b = self.fits[(module, phase, tp, "bwd_ms")](x, sq) * 1e-3 * scale
+        bwd = self.fits[(module, phase, tp, "bwd_ms")]
+        f = fwd(x, sq, samples) * 1e-3 * scale
+        b = bwd(x, sq, samples) * 1e-3 * scale
+        linear = bwd(x, 0.0, 0.0) * 1e-3 * scale if bwd.packed else b
         m = self.fits[(module, phase, tp, "memory_bytes")](x) * scale
-        return f, b, m
+        return f, b, linear, m
 
     def stage_cost(self, stage: StageSpec, shape: WorkShape) -> StageCost:
         ref = self.analytical.stage_cost(stage, shape)
         if stage.module == "encoder":
-            x, sq = np.asarray(shape.tiles, dtype=float), None
+            x, sq, samples = np.asarray(shape.tiles, dtype=float), None, None
             extras = (["embed"] if stage.first else []) + (["projector"] if stage.last else [])
         else:
             x, sq = np.asarray(shape.tokens, dtype=float), np.asarray(shape.sum_sq, dtype=float)
+            samples = np.asarray(shape.samples, dtype=float)
             extras = (["embed"] if stage.first else []) + (["head"] if stage.last else [])
-        f, b, m = self._part(stage.module, "block", stage.tp, x, sq)
-        fwd, bwd, act = stage.layers * f, stage.layers * b, stage.layers * m
+        f, b, linear, m = self._part(stage.module, "block", stage.tp, x, sq, samples)
+        fwd, bwd, weight, act = stage.layers * f, stage.layers * b, stage.layers * linear / 2, stage.layers * m
         if self.training.recompute == "full":
             bwd = bwd + fwd
             act = ref.act_bytes  # layer inputs only: the analytical count of what recomputation keeps
         for phase in extras:
             if (stage.module, phase, 1, "fwd_ms") in self.fits or (stage.module, phase, stage.tp, "fwd_ms") in self.fits:
-                ef, eb, em = self._part(stage.module, phase, stage.tp, x, None)
-                fwd, bwd = fwd + ef, bwd + eb
+                ef, eb, _, em = self._part(stage.module, phase, stage.tp, x)
+                fwd, bwd, weight = fwd + ef, bwd + eb, weight + eb / 2
                 if self.training.recompute != "full":
                     act = act + em
         comm = self.analytical.tp_comm(stage, shape)
-        share = np.where(ref.bwd > 0, ref.bwd_weight / np.maximum(ref.bwd, 1e-30), 0.5)
-        return StageCost(fwd + comm, bwd * (1 - share) + comm, bwd * share, act, ref.flops)
+        return StageCost(fwd + comm, bwd - weight + comm, weight, act, ref.flops)
 
     def holdout_error(self) -> dict[str, float]:
         return holdout_error(self.records, self.fits)

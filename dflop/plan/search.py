@@ -246,7 +246,7 @@ def explain(result: OptimizeResult, usable: float) -> list[str]:
     if result.baselines:
         b = result.baseline
         out.append(f"{result.speedup:.2f}x faster than the best data-blind baseline [{b.plan.describe()}]: "
-                   f"step {_score(w):.3g} s vs {_score(b):.3g} s")
+                   f"step {_score(w):.3f} s vs {_score(b):.3f} s")
         out.append(f"bubbles {np.mean(w.bubble):.1%} vs {np.mean(b.bubble):.1%}; bins within "
                    f"{np.mean(w.imbalance):.3f}x of the mean vs {np.mean(b.imbalance):.3f}x")
         out.append(f"peak memory {w.peak_memory / GIB:.1f} GiB vs {b.peak_memory / GIB:.1f} GiB "

@@ -56,8 +56,9 @@ class Grid:
 
 
 GRIDS = {
-    "cpu": Grid(tokens=(128, 256, 512, 1024, 2048), seq=(64, 256, 1024), tiles=(1, 2, 4, 8, 16),
-                holdout_llm=((384, 128), (768, 256), (1536, 512)), holdout_tiles=(3, 6, 12)),
+    "cpu": Grid(tokens=(128, 256, 512, 1024, 2048, 4096, 8192), seq=(64, 256, 1024, 4096),
+                tiles=(1, 2, 4, 8, 16, 32, 64), holdout_llm=((384, 128), (1536, 512), (6144, 2048)),
+                holdout_tiles=(3, 12, 48)),
     "gpu": Grid(tokens=(1024, 2048, 4096, 8192, 16384, 32768), seq=(512, 2048, 8192), tiles=(1, 4, 8, 16, 32, 64),
                 holdout_llm=((3072, 1024), (6144, 2048), (12288, 4096)), holdout_tiles=(6, 12, 24)),
     "quick": Grid(tokens=(64, 256), seq=(64, 256), tiles=(1, 4), holdout_llm=((128, 64),), holdout_tiles=(2,)),
@@ -271,7 +272,8 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
         module = make_module()
         figures = measure(module, make_inputs, device, warmup, repeats)
         store.append({**record, **figures, "holdout": holdout, "repeats": repeats,
-                      "torch": torch.__version__, "measured_at": datetime.now(timezone.utc).isoformat()})
+                      "torch": torch.__version__,
+                      "threads": torch.get_num_threads(), "measured_at": datetime.now(timezone.utc).isoformat()})
         report.measured += 1
     if progress is not None:
         progress(f"{spec.name} done", len(todo), len(todo))
