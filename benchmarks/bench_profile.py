@@ -2,6 +2,9 @@
 shapes it was not fitted on.
 
 Run: .venv/bin/python benchmarks/bench_profile.py   (a few minutes at most on a laptop CPU)
+
+CPU timings on a shared machine are noisy; OMP_NUM_THREADS=1 steadies them (the
+shipped profile was measured so, and its records say how many threads they used).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import tempfile
 import time
 
 from dflop.cost.profiled import holdout_error
-from dflop.cost.store import ProfileStore
+from dflop.cost.store import ProfileStore, shipped_records
 from dflop.profile.profiler import profile_model
 
 
@@ -27,6 +30,8 @@ def main() -> None:
         records = ProfileStore.in_dir(folder).read()
         err = holdout_error(records)
         print(f"both: median {err['median']:.1%}, max {err['max']:.1%} over {err['shapes']} held-out shapes")
+    err = holdout_error(shipped_records())
+    print(f"shipped profile: median {err['median']:.1%}, max {err['max']:.1%} over {err['shapes']} held-out shapes")
 
 
 if __name__ == "__main__":

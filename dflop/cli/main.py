@@ -143,8 +143,10 @@ def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) ->
                  f"memory {p['peak_memory_gib']:.1f} of {r['usable_memory_gib']:.1f} GiB per GPU"]
         if r["baseline"]:
             b = r["baseline"]
-            lines.append(f"best baseline ({b['space']}): {b['describe']}  step {b['step_time_s']:.3f} s  "
-                         f"-> speedup {r['speedup']:.2f}x")
+            sim = b["simulated_step_time_s"]
+            lines.append(f"best baseline ({b['space']}): {b['describe']}  expected step {b['step_time_s']:.3f} s"
+                         + (f", simulated {sim:.3f} s" if sim else "")
+                         + f"  -> speedup {r['speedup']:.2f}x" + (" (simulated)" if sim else ""))
         lines.append(f"ideal (all compute spread evenly): {r['ideal_step_time_s']:.3f} s")
         lines += ["alternatives:"] + [f"  {a['step_time_s']:.3f} s  {a['plan']}" for a in r["alternatives"]]
         lines += ["why:"] + [f"  {w}" for w in r["why"]]

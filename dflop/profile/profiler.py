@@ -41,7 +41,7 @@ from dflop.specs import presets
 from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MIN_SAMPLE_MS = {"cpu": 5.0, "cuda": 1.0}
+MIN_SAMPLE_MS = {"cpu": 20.0, "cuda": 1.0}
 Progress = Callable[[str, int, int], None]
 
 
@@ -197,7 +197,10 @@ class _PatchEmbed(nn.Module):
 
 def jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: Grid, dtype: torch.dtype,
          device: str) -> Iterator[tuple[str, dict[str, int], bool, Callable[[], nn.Module], Callable[[], tuple]]]:
-    """(phase, shape, holdout, module factory, input factory) of everything to measure."""
+    """(phase, shape, holdout, module factory, input factory) of everything to measure.
+
+    Shapes come in order of size, held-out ones among their neighbours, so that a machine
+    whose speed drifts during the run biases the held-out error as little as it can."""
     opts = {"dtype": dtype, "device": device}
 
     def tensor(*shape: int) -> torch.Tensor:
@@ -206,7 +209,7 @@ def jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: 
     if kind == "llm":
         h = spec.hidden
         shapes = [(t, s, False) for t in grid.tokens for s in grid.seq if s <= t]
-        shapes += [(t, s, True) for t, s in grid.holdout_llm]
+        shapes = sorted(shapes + [(t, s, True) for t, s in grid.holdout_llm])
         for tokens, seq, holdout in shapes:
             lengths = [seq] * (tokens // seq) + ([tokens % seq] if tokens % seq else [])
             positions, cu = pack(lengths, device)
@@ -222,7 +225,7 @@ def jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: 
                    lambda t=tokens: (tensor(t, h), torch.randint(0, spec.vocab // tp, (t,), device=device)))
         return
     side = spec.image_size // spec.patch_size
-    shapes = [(t, False) for t in grid.tiles] + [(t, True) for t in grid.holdout_tiles]
+    shapes = sorted([(t, False) for t in grid.tiles] + [(t, True) for t in grid.holdout_tiles])
     for tiles, holdout in shapes:
         yield ("block", {"tiles": tiles}, holdout, lambda: VisionBlock(spec, tp).to(**opts),
                lambda n=tiles: (tensor(n, side * side, spec.hidden),))
