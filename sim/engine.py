@@ -50,23 +50,20 @@ class Execution:
 def execute(graph: TaskGraph, *, contention: bool = True, track_memory: bool = True) -> Execution:
     env = simpy.Environment()
     n = len(graph)
-    start = np.zeros(n, dtype=np.int64)
-    end = np.zeros(n, dtype=np.int64)
+    start = [0] * n
+    end = [-1] * n  # -1 until the op has finished
     out, successor = graph.consumers, graph.successor
-    missing = [len(d) for d in graph.deps]
+    missing = list(graph.input_counts)
     ready_at = [0] * n
-    idle = [w < 0 for w in graph.worker]  # per op: its worker is free for it (collectives have none)
-    for order in graph.order:
-        if order:
-            idle[order[0]] = True
+    idle = list(graph.first_ops)  # per op: its worker is free for it
     link_free = [0] * graph.links
     transfers: list[tuple[int, int, int, int, int]] = []
     held = [w.static_bytes for w in graph.workers]
     peak = np.array(held, dtype=float)
     memory: list[list[tuple[int, float]]] = [[(0, h)] for h in held]
     oom: list[dict] = []
-    finished = [False] * n
     worker_of, free, alloc, duration = graph.worker, graph.free, graph.alloc, graph.duration
+    timeout = env.timeout
 
     def change(w: int, delta: float, at: int) -> None:
         held[w] += delta
@@ -77,49 +74,50 @@ def execute(graph: TaskGraph, *, contention: bool = True, track_memory: bool = T
             if held[w] > graph.workers[w].capacity and not any(e["worker"] == w for e in oom):
                 oom.append({"worker": w, "ns": at, "bytes": held[w], "capacity": graph.workers[w].capacity})
 
-    def try_start(o: int) -> None:
+    def try_start(o: int, now: int) -> None:
         """Start ``o``: its worker is free and every input has been sent, so it starts when the last
         one arrives and ends ``duration`` later; one event, at its end. (Its worker is idle until
         then, so recording the allocation ahead of time changes no peak.)"""
         idle[o] = False
-        now = env.now
         begins = ready_at[o] if ready_at[o] > now else now
         start[o] = begins
         if alloc[o]:
             change(worker_of[o], alloc[o], begins)
-        env.timeout(begins - now + duration[o], o).callbacks.append(finish)
+        timeout(begins - now + duration[o], o).callbacks.append(finish)
 
     def finish(event: simpy.Event) -> None:
-        o, now = event.value, env.now
+        o, now = event._value, env._now  # SimPy's fields: its properties cost a call per op
         end[o] = now
-        finished[o] = True
         if free[o]:
             change(worker_of[o], -free[o], now)
         for c, ns, link in out[o]:
             arrive = now
             if ns:
-                sent = max(now, link_free[link]) if contention and link >= 0 else now
-                arrive = sent + ns
+                sent = now
                 if contention and link >= 0:
-                    link_free[link] = arrive
+                    if link_free[link] > now:
+                        sent = link_free[link]
+                    link_free[link] = sent + ns
+                arrive = sent + ns
                 transfers.append((o, c, link, sent, arrive))
             if arrive > ready_at[c]:
                 ready_at[c] = arrive
             missing[c] -= 1
             if not missing[c] and idle[c]:
-                try_start(c)
+                try_start(c, now)
         nxt = successor[o]
         if nxt >= 0:
             idle[nxt] = True
             if not missing[nxt]:
-                try_start(nxt)
+                try_start(nxt, now)
 
     for o in range(n):
         if not missing[o] and idle[o]:
-            try_start(o)
+            try_start(o, 0)
     env.run()
-    unfinished = [o for o in range(n) if not finished[o]]
+    unfinished = [o for o in range(n) if end[o] < 0]
     if unfinished:
         raise RuntimeError(f"simulation stalled with {len(unfinished)} ops unfinished, first "
                            f"{graph.label[unfinished[0]]} on worker {graph.worker[unfinished[0]]}")
-    return Execution(start, end, transfers, memory, peak, oom, next(env._eid))
+    return Execution(np.array(start, dtype=np.int64), np.array(end, dtype=np.int64), transfers, memory, peak,
+                     oom, next(env._eid))

@@ -62,6 +62,20 @@ class TaskGraph:
         return out
 
     @cached_property
+    def input_counts(self) -> list[int]:
+        """Per op: how many ops it waits for."""
+        return [len(d) for d in self.deps]
+
+    @cached_property
+    def first_ops(self) -> list[bool]:
+        """Per op: whether its worker can run it first (collectives have no worker to wait for)."""
+        first = [w < 0 for w in self.worker]
+        for ops in self.order:
+            if ops:
+                first[ops[0]] = True
+        return first
+
+    @cached_property
     def successor(self) -> list[int]:
         """Per op: the next op of the same worker (-1 for the last)."""
         nxt = [-1] * len(self)
