@@ -5,6 +5,9 @@ line naming the input (file, key, line, entry) and what is wrong with it; the
 CLI prints that line and exits with status 2. Anything else is a bug.
 """
 
+import os
+from pathlib import Path
+
 
 class DflopError(Exception):
     """Bad input or an impossible request, explained in one line."""
@@ -28,3 +31,16 @@ class InfeasibleError(DflopError):
 
 class NotYetAvailable(DflopError):
     """A command that a later piece of work fills in."""
+
+
+def ensure_writable_folder(folder: str | Path, what: str) -> Path:
+    """Create ``folder`` and check it can be written, so that a run fails before any work, not
+    after it; ``what`` names the folder in the message (output, profile)."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DflopError(f"{folder}: cannot create the {what} folder ({exc.strerror})") from None
+    if not os.access(folder, os.W_OK):
+        raise DflopError(f"{folder}: {what} folder is not writable")
+    return folder

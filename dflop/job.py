@@ -16,7 +16,7 @@ import numpy as np
 
 from dflop.cost.protocol import CostModel
 from dflop.cost.select import select_cost_model
-from dflop.errors import DflopError
+from dflop.errors import DflopError, ensure_writable_folder
 from dflop.plan.evaluate import BatchPool, PlanningProblem
 from dflop.plan.search import OptimizeResult, Optimizer, Progress
 from dflop.plan.space import BASELINES, DFLOP
@@ -176,10 +176,7 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
     data-blind microbatches on the same batches; compare."""
     from dflop.viz.timeline import plot_timeline
 
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DflopError(f"{out}: cannot create the output folder ({exc.strerror})") from None
+    ensure_writable_folder(out, "output")
     log("dflop: searching plans ...")
     result = optimize(s, progress=progress)
     if not result.baselines:

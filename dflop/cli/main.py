@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from dflop.cli.output import emit, fmt_stats, log
-from dflop.errors import DflopError
+from dflop.errors import DflopError, ensure_writable_folder
 
 JSON_HELP = "Print exactly one JSON object on stdout (logs go to stderr)."
 
@@ -201,7 +201,7 @@ def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | N
 
     s = job.setup(config)
     plan = job.pick_plan(s, plan_path, schedule_name)
-    _writable(out / "x")
+    ensure_writable_folder(out, "output")
     sim, info = job.simulate(s, plan, steps=steps or s.config.steps, solver=s.config.scheduler.solver, out=out,
                              name="simulate")
     timeline = plot_timeline(sim.trace, out / "timeline.png")
@@ -236,7 +236,7 @@ def run(config: Path | None, backend: str, steps: int | None, out: Path, as_json
         raise DflopError("--backend torch is not available yet: dflop has no torch execution backend so far; "
                          "use --backend sim")
     s = job.setup(config)
-    _writable(out / "x")
+    ensure_writable_folder(out, "output")
     with progress_bar() as progress:
         data = job.run(s, steps=steps or s.config.steps, out=out, progress=progress)
 
@@ -283,15 +283,7 @@ def plot_timeline(trace: Path, out: Path, compare: Path | None, as_json: bool) -
 
 def _writable(path: Path) -> Path:
     """Fail early, before any work, when the output cannot be written."""
-    folder = path.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DflopError(f"{folder}: cannot create the output folder ({exc.strerror})") from None
-    import os
-
-    if not os.access(folder, os.W_OK):
-        raise DflopError(f"{folder}: output folder is not writable")
+    ensure_writable_folder(path.parent, "output")
     return path
 
 

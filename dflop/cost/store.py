@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from dflop.errors import DflopError
+from dflop.errors import ensure_writable_folder
 
 FILENAME = "profile.jsonl"
 KEY_FIELDS = ("device", "module", "model", "dtype", "tp", "phase")
@@ -53,14 +53,7 @@ class ProfileStore:
 
     @classmethod
     def in_dir(cls, folder: str | Path) -> "ProfileStore":
-        folder = Path(folder)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DflopError(f"{folder}: cannot create the profile folder ({exc.strerror})") from None
-        if not os.access(folder, os.W_OK):
-            raise DflopError(f"{folder}: profile folder is not writable")
-        return cls(folder / FILENAME)
+        return cls(ensure_writable_folder(folder, "profile") / FILENAME)
 
     def append(self, record: dict[str, Any]) -> None:
         problem = _problem(record)

@@ -78,6 +78,21 @@ class Projector(nn.Module):
         return self.layers(pixel_shuffle(features, self.merge))
 
 
+class PatchEmbed(nn.Module):
+    """Tiles (n, 3, size, size) to patch features (n, patches, hidden) with learned positions."""
+
+    def __init__(self, spec: EncoderSpec) -> None:
+        super().__init__()
+        self.side = spec.image_size // spec.patch_size
+        self.pixels = self.side * spec.patch_size
+        self.conv = nn.Conv2d(3, spec.hidden, kernel_size=spec.patch_size, stride=spec.patch_size)
+        self.position = nn.Parameter(torch.zeros(self.side * self.side, spec.hidden))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        cropped = pixels[..., :self.pixels, :self.pixels]
+        return self.conv(cropped).flatten(2).transpose(1, 2) + self.position
+
+
 class VisionEncoder(nn.Module):
     """Tiles (n, 3, size, size) to LLM embeddings (n, tokens per tile, LLM hidden)."""
 
@@ -86,15 +101,9 @@ class VisionEncoder(nn.Module):
         super().__init__()
         spec = model.encoder
         self.spec, self.checkpointing = spec, checkpointing
-        side = spec.image_size // spec.patch_size
-        self.patch = nn.Conv2d(3, spec.hidden, kernel_size=spec.patch_size, stride=spec.patch_size)
-        self.position = nn.Parameter(torch.zeros(side * side, spec.hidden))
+        self.embed = PatchEmbed(spec)
         self.blocks = nn.ModuleList(VisionBlock(spec, tp) for _ in range(layers or spec.layers))
         self.projector = Projector(model)
-
-    def embed(self, pixels: torch.Tensor) -> torch.Tensor:
-        side = self.spec.image_size // self.spec.patch_size * self.spec.patch_size
-        return self.patch(pixels[..., :side, :side]).flatten(2).transpose(1, 2) + self.position
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         x = self.embed(pixels)

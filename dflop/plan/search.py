@@ -136,14 +136,15 @@ class Optimizer:
         ranked: list[Estimate] = []
         best = [float("inf")]
         short = None
+
+        def skip(encoder_gpus: int) -> bool:
+            if self.split_bound(encoder_gpus) >= best[0]:
+                stats.pruned_splits += 1
+                return True
+            return False
+
         for placement in ("colocated", "disaggregated"):
             screened = []
-            def skip(encoder_gpus: int) -> bool:
-                if self.split_bound(encoder_gpus) >= best[0]:
-                    stats.pruned_splits += 1
-                    return True
-                return False
-
             for plan in self.spaces.plans(space, placement, skip):
                 stats.enumerated += 1
                 s = self.screener.screen(plan, space.data_aware)

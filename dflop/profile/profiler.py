@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from dflop.cost.store import ProfileStore, record_key
 from dflop.errors import DflopError
 from dflop.models.llm import DecoderBlock, RMSNorm, pack, shard, wide
-from dflop.models.vit import Projector, VisionBlock
+from dflop.models.vit import PatchEmbed, Projector, VisionBlock
 from dflop.specs import presets
 from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
 
@@ -184,17 +184,6 @@ class _Head(nn.Module):
         return F.cross_entropy(wide(self.head(self.norm(x))), target)
 
 
-class _PatchEmbed(nn.Module):
-    def __init__(self, spec: EncoderSpec) -> None:
-        super().__init__()
-        side = spec.image_size // spec.patch_size
-        self.conv = nn.Conv2d(3, spec.hidden, spec.patch_size, stride=spec.patch_size)
-        self.position = nn.Parameter(torch.zeros(side * side, spec.hidden))
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.conv(pixels).flatten(2).transpose(1, 2) + self.position
-
-
 def jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: Grid, dtype: torch.dtype,
          device: str) -> Iterator[tuple[str, dict[str, int], bool, Callable[[], nn.Module], Callable[[], tuple]]]:
     """(phase, shape, holdout, module factory, input factory) of everything to measure.
@@ -229,7 +218,7 @@ def jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: 
     for tiles, holdout in shapes:
         yield ("block", {"tiles": tiles}, holdout, lambda: VisionBlock(spec, tp).to(**opts),
                lambda n=tiles: (tensor(n, side * side, spec.hidden),))
-        yield ("embed", {"tiles": tiles}, holdout, lambda: _PatchEmbed(spec).to(**opts),
+        yield ("embed", {"tiles": tiles}, holdout, lambda: PatchEmbed(spec).to(**opts),
                lambda n=tiles: (tensor(n, 3, spec.image_size, spec.image_size),))
         yield ("projector", {"tiles": tiles}, holdout, lambda: Projector(pair).to(**opts),
                lambda n=tiles: (tensor(n, side * side, spec.hidden),))
