@@ -8,14 +8,15 @@ from typing import Any
 import numpy as np
 
 from dflop.program.costing import stage_times_timing
-from dflop.program.graph import expand
+from dflop.program.costs import graph_costs
 from dflop.program.schedules import build, splits_backward
+from dflop.program.stepgraph import lower
 from dflop.program.template import build_template
 from dflop.sim.engine import execute
-from dflop.sim.record import record, worker_records
-from dflop.specs.plan import ModulePlan, Plan
+from dflop.specs.plan import ModulePlan, Placement, Plan
 from dflop.trace.chrome import TraceBuilder
 from dflop.trace.metrics import metrics
+from dflop.trace.record import record_step, worker_records
 
 
 @dataclass(frozen=True)
@@ -66,15 +67,16 @@ def simulate_pipeline(fwd: Any, bwd: Any, *, schedule: str = "1F1B", microbatche
         w = _grid(bwd_weight, stages, m, "bwd_weight") if bwd_weight is not None else np.zeros_like(b)
         i = b
     program = build(schedule, pp, m, virtual_stages)
-    plan = Plan(encoder=ModulePlan(tp=1, dp=1), llm=ModulePlan(tp=1, pp=pp, dp=1), placement="colocated",
+    plan = Plan(encoder=ModulePlan(tp=1, dp=1), llm=ModulePlan(tp=1, pp=pp, dp=1), placement=Placement.COLOCATED,
                 microbatches=m, schedule=program.name, virtual_stages=virtual_stages)
     template = build_template(plan, program)
-    graph = expand(stage_times_timing(template, f, i, w, p2p))
-    ex = execute(graph, contention=contention, track_memory=False)
+    graph = lower(template)
+    costs = graph_costs(graph, stage_times_timing(template, f, i, w, p2p))
+    ex = execute(graph, costs, contention=contention, track_memory=False)
     trace = TraceBuilder()
     trace.set_workers(worker_records(graph))
-    record(trace, graph, ex, step=0, offset_ns=0, memory=False)
-    compute_end = int(ex.end[[o for o in range(len(graph)) if graph.worker[o] >= 0]].max())
+    record_step(trace, graph, ex.start, ex.end, step=0, offset_ns=0, costs=costs)
+    compute_end = int(ex.end[graph.compute_nodes()].max())
     trace.step(0, 0, compute_end, ex.makespan)
     doc = trace.document()
     return PipelineResult(ex.makespan / 1e9, metrics(doc).bubble_fraction, doc)

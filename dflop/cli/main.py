@@ -132,7 +132,7 @@ def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) ->
     with progress_bar() as progress:
         result = job.optimize(s, progress=progress)
     save_spec(result.best.plan, _writable(out))
-    data = {**job.optimize_json(result, s.cluster.hardware.usable_memory_bytes), "out": str(out)}
+    data = {**job.optimize_json(result, s.system.hardware.usable_memory_bytes), "out": str(out)}
 
     def human(r: dict[str, Any]) -> str:
         p = r["plan"]
@@ -205,8 +205,8 @@ def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | N
     sim, info = job.simulate(s, plan, steps=steps or s.config.steps, solver=s.config.scheduler.solver, out=out,
                              name="simulate")
     timeline = plot_timeline(sim.trace, out / "timeline.png")
-    data = {"plan": job.plan_summary(plan), **job.step_fields(sim, s.training.global_batch),
-            "steps": sim.metrics.steps, "cost_model": s.cost.name, "scheduler": info["scheduler"],
+    data = {"plan": job.plan_summary(plan), **job.step_fields(sim, s.system.training.global_batch),
+            "steps": sim.metrics.steps, "cost_model": s.system.cost.name, "scheduler": info["scheduler"],
             "oom": sim.metrics.oom[:5], "artifacts": {"trace": info["trace"], "timeline": str(timeline)}}
 
     def human(r: dict[str, Any]) -> str:

@@ -28,12 +28,39 @@ class Kind(str, Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    BRIDGE_SEND_F = "BRIDGE_SEND_F"
+    """Image features from an encoder replica to an LLM replica that owns some of its samples."""
+    BRIDGE_RECV_F = "BRIDGE_RECV_F"
+    BRIDGE_SEND_B = "BRIDGE_SEND_B"
+    """Gradients of those features, back from the LLM replica to the encoder replica."""
+    BRIDGE_RECV_B = "BRIDGE_RECV_B"
+    REDUCE_GRAD = "REDUCE_GRAD"
+    """Gradient reduction across data-parallel replicas (all-reduce, or reduce-scatter when sharded)."""
+    UNSHARD = "UNSHARD"
+    """All-gather of a sharded (FSDP) stage's parameters before its first use in a step."""
+    RESHARD = "RESHARD"
+    """Free the gathered parameters after the stage's last use in a step."""
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.B, Kind.I, Kind.W)
+        return self in _COMPUTE
+
+    @property
+    def is_send(self) -> bool:
+        return self in _SENDS
+
+    @property
+    def is_recv(self) -> bool:
+        return self in _RECVS
+
+    @property
+    def is_collective(self) -> bool:
+        return self in (Kind.REDUCE_GRAD, Kind.UNSHARD, Kind.RESHARD)
 
 
+_COMPUTE = frozenset((Kind.F, Kind.B, Kind.I, Kind.W))
+_SENDS = frozenset((Kind.SEND_F, Kind.SEND_B, Kind.BRIDGE_SEND_F, Kind.BRIDGE_SEND_B))
+_RECVS = frozenset((Kind.RECV_F, Kind.RECV_B, Kind.BRIDGE_RECV_F, Kind.BRIDGE_RECV_B))
 _ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 

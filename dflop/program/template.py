@@ -89,7 +89,7 @@ def checked(name: str, pp: int, m: int, v: int) -> Program:
 
 def program_for(plan: Plan) -> tuple[Program, int]:
     """The plan's pipeline program and how many of its stages are encoder stages."""
-    if plan.placement == "colocated":
+    if plan.colocated:
         return checked(plan.schedule, plan.llm.pp, plan.microbatches, plan.virtual_stages), 0
     if plan.virtual_stages > 1:
         raise DflopError("virtual stages need colocated placement")
@@ -100,7 +100,7 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
     if program is None:
         program, encoder_stages = program_for(plan)
     else:
-        encoder_stages = 0 if plan.placement == "colocated" else plan.encoder.pp
+        encoder_stages = 0 if plan.colocated else plan.encoder.pp
         check_program(program)
     last_stage = program.stages - 1
     groups = []
