@@ -1,12 +1,15 @@
 """Simulated experiments: the adaptive cost correction against a hidden "true" cost model.
 
 The true world differs from the cost model the scheduler uses: some buckets
-of samples (say videos) run slower than predicted. We simulate that by
-running the simulator on a batch whose affected samples have proportionally
-larger shapes, while the scheduler only sees the original shapes. Three
-schedulers are compared on the same batches: one that trusts its predictions,
-one that learns a correction from the measured op times (switched on only
-when the policy finds it worth it), and an oracle that knows the true costs.
+of samples (say videos) run slower than predicted (``slowdown``), and every
+sample is off by its own lognormal factor (``noise``, the model's per-sample
+prediction error, ``dflop.cost.error.perturb``). We simulate that by running
+the simulator on a batch whose samples have the true world's shapes, while
+the scheduler only sees the original shapes. Three schedulers are compared on
+the same batches: one that trusts its predictions, one that learns a
+correction from the measured op times (switched on only when the policy finds
+it worth it), and an oracle that knows the true costs. A correction by bucket
+can learn a systematic error, not a per-sample one.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dflop.backends.base import BackendResult, ScheduledBatch, StepTimes
 from dflop.backends.observe import feed_correction
 from dflop.backends.sim import SimBackend
 from dflop.cost.correction import CorrectionPolicy, CostCorrection, bucket_of
+from dflop.cost.error import perturb
 from dflop.cost.system import System
 from dflop.program.steps import StepRunner
 from dflop.schedule.step import plan_costs, schedule_batch
@@ -50,7 +54,7 @@ class CorrectionStudy:
 
 
 def correction_study(*, plan: Plan, system: System, batches: Iterator[SampleTable], steps: int,
-                     slowdown: dict[str, float], solver: str = "auto", time_limit: float = 0.2,
+                     slowdown: dict[str, float], noise: float = 0.0, solver: str = "auto", time_limit: float = 0.2,
                      measure_fraction: float = 0.002) -> CorrectionStudy:
     """Steps of the three schedulers; correcting costs ``measure_fraction`` of a step (timing every
     op); the second solve runs in the background scheduler, off the critical path."""
@@ -63,11 +67,14 @@ def correction_study(*, plan: Plan, system: System, batches: Iterator[SampleTabl
     policy: CorrectionPolicy | None = None
     study = CorrectionStudy()
 
-    def run(batch: SampleTable, costs: np.ndarray) -> tuple[float, list[StepTimes]]:
+    def true(batch: SampleTable, step: int) -> SampleTable:
+        return perturb(inflate(batch, slowdown), noise, (step, 11))
+
+    def run(batch: SampleTable, step: int, costs: np.ndarray) -> tuple[float, list[StepTimes]]:
         """One step in the true world, scheduled with ``costs``: (seconds, what was observed)."""
         schedule = schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=time_limit)
         seen: list[StepTimes] = []
-        result: BackendResult = backend.run(runner, [ScheduledBatch(inflate(batch, slowdown), schedule.assignment)],
+        result: BackendResult = backend.run(runner, [ScheduledBatch(true(batch, step), schedule.assignment)],
                                             observe=seen.append)
         return result.steps[0]["step_s"], seen
 
@@ -79,8 +86,8 @@ def correction_study(*, plan: Plan, system: System, batches: Iterator[SampleTabl
     for step in range(steps):
         batch = next(batches)
         predicted = plan_costs(batch, plan, model, cost)
-        study.oracle.append(run(batch, plan_costs(inflate(batch, slowdown), plan, model, cost))[0])
-        study.predicted.append(run(batch, predicted)[0])
+        study.oracle.append(run(batch, step, plan_costs(true(batch, step), plan, model, cost))[0])
+        study.predicted.append(run(batch, step, predicted)[0])
         corrected = correction.apply(predicted, bucket_of(batch), modules)
         if policy is None:
             policy = CorrectionPolicy(overhead_s=measure_fraction * study.predicted[-1])
@@ -89,7 +96,7 @@ def correction_study(*, plan: Plan, system: System, batches: Iterator[SampleTabl
             fixed = schedule_batch(batch, plan, costs=corrected, solver=solver, time_limit=time_limit)
             policy.update(makespan(plain.assignment, corrected) - makespan(fixed.assignment, corrected))
         used = corrected if policy.enabled else predicted
-        seconds, seen = run(batch, used)
+        seconds, seen = run(batch, step, used)
         study.corrected.append(seconds)
         study.enabled.append(policy.enabled)
         feed_correction(correction, seen[0], batch, predicted)

@@ -16,16 +16,18 @@ import numpy as np
 
 from dflop.backends.base import Backend, BackendResult, ScheduledBatch
 from dflop.backends.sim import SimBackend
-from dflop.cost.select import select_cost_model
+from dflop.cost.select import prediction_error, select_cost_model
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
 from dflop.plan.evaluate import BatchPool, PlanningProblem
-from dflop.plan.search import OptimizeResult, Optimizer, Progress
+from dflop.plan.report import OptimizeResult, implausible, score
+from dflop.plan.search import Optimizer, Progress
 from dflop.plan.space import BASELINES, DFLOP
 from dflop.program.evaluate import evaluate
 from dflop.program.schedules import canonical
 from dflop.program.steps import StepRunner
 from dflop.schedule.background import AsyncScheduler
+from dflop.schedule.batching import Batching, assign
 from dflop.schedule.step import StepSchedule, plan_costs, schedule_batch
 from dflop.specs.hardware import GIB
 from dflop.specs.loading import to_mapping
@@ -73,26 +75,38 @@ def setup(config_path: str | Path | None = None, *, gpus: int | None = None, log
     return Setup(config, System(config.model, cluster, config.training, cost), data, source)
 
 
-def confirm_with_simpy(s: Setup, batches_: int = 2) -> Callable[[Plan, bool], float]:
+def rule_assignment(plan: Plan, batch: SampleTable, batching: Batching) -> np.ndarray:
+    """A baseline rule's bins of ``batch`` for ``plan``."""
+    return assign(batching, batch, plan.llm.dp, plan.microbatches)
+
+
+def confirm_with_simpy(s: Setup, batches_: int = 2) -> Callable[[Plan, Batching], float]:
     """Step time of a plan in SimPy (link contention on), on the optimizer's first batches."""
     pool = BatchPool(s.data, s.system.training.global_batch, s.config.seed)
     backend = SimBackend(memory=False)
 
-    def confirm(plan: Plan, data_aware: bool) -> float:
-        solver = "greedy" if data_aware else "sequential"
+    def confirm(plan: Plan, batching: Batching) -> float:
         steps = []
         for i in range(batches_):
             batch = pool[i]
-            costs = plan_costs(batch, plan, s.system.model, s.system.cost)
-            steps.append(ScheduledBatch(batch, schedule_batch(batch, plan, costs=costs, solver=solver).assignment))
+            if batching is Batching.BALANCED:
+                costs = plan_costs(batch, plan, s.system.model, s.system.cost)
+                assignment = schedule_batch(batch, plan, costs=costs, solver="greedy").assignment
+            else:
+                assignment = rule_assignment(plan, batch, batching)
+            steps.append(ScheduledBatch(batch, assignment))
         return backend.run(StepRunner(plan, s.system), steps).metrics.step_time_mean
 
     return confirm
 
 
-def optimize(s: Setup, *, progress: Progress | None = None, baselines: bool = True) -> OptimizeResult:
+def optimize(s: Setup, *, progress: Progress | None = None, baselines: bool = True,
+             noise: float | None = None) -> OptimizeResult:
+    """dflop's plan and the baselines'; speedups also at the cost model's prediction error (``noise``,
+    by default the profiled model's held-out error or the analytical model's stated default)."""
+    sigma = prediction_error(s.system.cost)[0] if noise is None else noise
     optimizer = Optimizer(s.problem(), s.system.training.global_batch, confirm=confirm_with_simpy(s),
-                          progress=progress)
+                          progress=progress, noise=sigma if baselines else 0.0)
     return optimizer.run((DFLOP,), BASELINES if baselines else ())
 
 
@@ -100,24 +114,33 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     return {"describe": plan.describe(), **to_mapping(plan)}
 
 
-def optimize_json(result: OptimizeResult, usable: float) -> dict[str, Any]:
+def optimize_json(result: OptimizeResult, usable: float, source: str = "") -> dict[str, Any]:
     out = result.to_json()
     out["plan"] = {**plan_summary(result.best.plan), **out["plan"]}
     out["expected_step_time_s"] = out["plan"]["step_time_s"]
     out["per_gpu_memory_gib"] = out["plan"]["peak_memory_gib"]
     out["usable_memory_gib"] = usable / GIB
-    out["baseline"] = {**plan_summary(result.baseline.plan), **out["baseline"]} if result.baselines else None
+    if out["prediction_error"] is not None:
+        out["prediction_error"]["source"] = source
+    b = result.strongest
+    if b is not None:
+        out["baseline"] = {**plan_summary(b.best.plan), **out["baseline"]}
     return out
 
 
-def assigner(s: Setup, runner: StepRunner, solver: str) -> Callable[[SampleTable], StepSchedule]:
+def assigner(s: Setup, runner: StepRunner, solver: str,
+             batching: Batching = Batching.BALANCED) -> Callable[[SampleTable], StepSchedule]:
     """The scheduler of a step: the configured solver, with candidate microbatch orders timed by
-    the fast evaluator."""
+    the fast evaluator; or a baseline's batching rule."""
     time_limit = s.config.scheduler.time_limit
     ilp_backend = s.config.scheduler.ilp_backend
     plan = runner.plan
 
-    def assign(batch: SampleTable) -> StepSchedule:
+    def assign_(batch: SampleTable) -> StepSchedule:
+        if batching is not Batching.BALANCED:
+            ids = tuple(str(i) for i in batch.ids)
+            return StepSchedule(ids, rule_assignment(plan, batch, batching), plan.llm.dp, plan.microbatches,
+                                order=str(batching))
         costs = plan_costs(batch, plan, s.system.model, s.system.cost)
 
         def timed(assignment: np.ndarray) -> float:
@@ -126,23 +149,23 @@ def assigner(s: Setup, runner: StepRunner, solver: str) -> Callable[[SampleTable
         return schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=time_limit, backend=ilp_backend,
                               evaluate=None if solver in ("sequential", "random") else timed)
 
-    return assign
+    return assign_
 
 
-def schedule_steps(s: Setup, runner: StepRunner, *, steps: int, solver: str,
-                   deadline: float | None = None) -> tuple[list[ScheduledBatch], dict[str, Any]]:
+def schedule_steps(s: Setup, runner: StepRunner, *, steps: int, solver: str, deadline: float | None = None,
+                   batching: Batching = Batching.BALANCED) -> tuple[list[ScheduledBatch], dict[str, Any]]:
     """The first ``steps`` global batches, each partitioned ahead in the background (the solver under
-    a deadline, the LPT heuristic when it is late)."""
-    assign = assigner(s, runner, solver)
+    a deadline, the LPT heuristic when it is late), or cut by a baseline's rule."""
+    assign = assigner(s, runner, solver, batching)
     stream = batches(s.data, s.system.training.global_batch, seed=s.config.seed)
-    fallback = assigner(s, runner, "lpt")
+    fallback = assigner(s, runner, "lpt", batching)
     limit = deadline or max(s.config.scheduler.time_limit * 2, 0.5)
     with AsyncScheduler(stream, lambda batch, _: assign(batch), fallback, deadline=limit) as scheduler:
         pairs = [scheduler.get(step) for step in range(steps)]
         late = scheduler.late
     scheduled = [sch for _, sch in pairs]
     partitions = [sch.partition for sch in scheduled if sch.partition is not None]
-    info = {"solver": solver, "late_steps": late,
+    info = {"solver": solver if batching is Batching.BALANCED else str(batching), "late_steps": late,
             "gap_mean": float(np.mean([p.gap for p in partitions])) if partitions else None,
             "statuses": sorted({p.status for p in partitions}),
             "orders": sorted({sch.order for sch in scheduled})}
@@ -150,13 +173,16 @@ def schedule_steps(s: Setup, runner: StepRunner, *, steps: int, solver: str,
 
 
 def simulate(s: Setup, plan: Plan, *, steps: int, solver: str, out: Path, name: str,
-             deadline: float | None = None, backend: Backend | None = None) -> tuple[BackendResult, dict[str, Any]]:
+             deadline: float | None = None, backend: Backend | None = None,
+             batching: Batching = Batching.BALANCED) -> tuple[BackendResult, dict[str, Any]]:
     """Run ``steps`` steps of ``plan`` on ``backend`` (the simulator by default), scheduling ahead in
-    the background for data-aware solvers; writes ``<name>.trace.json``."""
+    the background for data-aware solvers (or cutting bins by a baseline's ``batching`` rule);
+    writes ``<name>.trace.json``."""
     system = s.system
     plan.validate(system.cluster, system.model, system.training.global_batch)
     runner = StepRunner(plan, system)
-    scheduled, scheduler = schedule_steps(s, runner, steps=steps, solver=solver, deadline=deadline)
+    scheduled, scheduler = schedule_steps(s, runner, steps=steps, solver=solver, deadline=deadline,
+                                          batching=batching)
     result = (backend or SimBackend()).run(runner, scheduled, meta={"name": name, "solver": solver})
     trace = save_trace(result.trace, out / f"{name}.trace.json")
     return result, {"scheduler": scheduler, "trace": str(trace)}
@@ -167,44 +193,59 @@ def step_fields(sim: BackendResult, global_batch: int) -> dict[str, Any]:
     return {"step_time_s": {"mean": m.step_time_mean, "p50": m.step_time_p50},
             "throughput_samples_per_s": global_batch / m.step_time_mean,
             "bubble_fraction": m.bubble_fraction, "idle_fraction": m.idle_fraction,
-            "utilisation": m.utilisation, "mfu": m.mfu, "peak_memory_gib": max(m.peak_memory_gib, default=0.0),
+            "utilisation": m.utilisation, "mfu": m.mfu, "hfu": m.hfu,
+            "peak_memory_gib": max(m.peak_memory_gib, default=0.0),
             "oom_events": len(m.oom)}
 
 
-def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, log: Log = _stderr) -> dict[str, Any]:
-    """Optimize, then simulate the plan with the data-aware scheduler and the best baseline with
-    data-blind microbatches on the same batches; compare."""
+def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, log: Log = _stderr,
+        noise: float | None = None) -> dict[str, Any]:
+    """Optimize, then simulate dflop's plan with its bins, the strongest baseline with its own
+    batching rule and that baseline's plan with dflop's bins, on the same batches; compare."""
     from dflop.viz.timeline import plot_timeline
 
     ensure_writable_folder(out, "output")
     log("dflop: searching plans ...")
-    result = optimize(s, progress=progress)
-    if not result.baselines:
-        raise DflopError("no data-blind baseline plan fits this cluster to compare against")
-    plan, base = result.best.plan, result.baseline
-    log(f"dflop: plan [{plan.describe()}]; baseline [{base.plan.describe()}]")
+    result = optimize(s, progress=progress, noise=noise)
+    strongest = result.strongest
+    if strongest is None:
+        raise DflopError("no baseline plan fits this cluster to compare against: "
+                         + "; ".join(f"{b.name}: {b.reason}" for b in result.baselines))
+    best, base = result.best, strongest.best
+    log(f"dflop: plan [{best.plan.describe()}] ({best.batching}); strongest baseline {strongest.name} "
+        f"[{base.plan.describe()}]")
     solver = s.config.scheduler.solver
-    mine, mine_info = simulate(s, plan, steps=steps, solver=solver, out=out, name="dflop",
-                               deadline=0.5 * result.best.mean)
-    theirs, theirs_info = simulate(s, base.plan, steps=steps, solver="sequential", out=out, name="baseline")
-    timeline = plot_timeline(theirs.trace, out / "timeline.png", compare=mine.trace,
-                             labels=("data-blind baseline", "dflop"))
+    runs = {"dflop": (best.plan, best.batching), "baseline": (base.plan, base.batching),
+            "baseline_balanced": (base.plan, Batching.BALANCED)}
+    sims, infos = {}, {}
+    for name, (plan, batching) in runs.items():
+        sims[name], infos[name] = simulate(s, plan, steps=steps, solver=solver, out=out, name=name,
+                                           deadline=0.5 * best.mean, batching=batching)
+    timeline = plot_timeline(sims["baseline"].trace, out / "timeline.png", compare=sims["dflop"].trace,
+                             labels=(f"strongest baseline ({strongest.name})", "dflop"))
     from dflop.specs.loading import save_spec
 
-    plan_file = save_spec(plan, out / "plan.yaml")
+    plan_file = save_spec(best.plan, out / "plan.yaml")
     batch = s.system.training.global_batch
-    ours, baseline = step_fields(mine, batch), step_fields(theirs, batch)
+    fields = {name: step_fields(sim, batch) for name, sim in sims.items()}
+    time_of = {name: f["step_time_s"]["mean"] for name, f in fields.items()}
+    expected = optimize_json(result, s.system.hardware.usable_memory_bytes, prediction_error(s.system.cost)[1])
     return {
-        "plan": plan_summary(plan), **ours,
-        "baseline": {"plan": plan_summary(base.plan), **baseline},
-        "speedup": baseline["step_time_s"]["mean"] / ours["step_time_s"]["mean"],
-        "expected": {"step_time_s": result.best.mean, "baseline_step_time_s": base.mean,
-                     "speedup": result.speedup, "ideal_step_time_s": result.ideal_s},
+        "plan": plan_summary(best.plan), "batching": str(best.batching), **fields["dflop"],
+        "baseline": {"space": strongest.space, "batching": str(strongest.batching), "plan": plan_summary(base.plan),
+                     **fields["baseline"]},
+        "baselines": expected["baselines"],
+        "speedup": time_of["baseline"] / time_of["dflop"],
+        "decomposition": {"plan_gain": time_of["baseline_balanced"] / time_of["dflop"],
+                          "balance_gain": time_of["baseline"] / time_of["baseline_balanced"]},
+        "expected": {"step_time_s": score(best), "baseline_step_time_s": score(base), "speedup": result.speedup,
+                     "decomposition": result.decomposition, "ideal_step_time_s": result.ideal_s},
+        "prediction_error": expected["prediction_error"],
+        "warnings": expected["warnings"] + implausible("dflop (simulated)", fields["dflop"]["mfu"], s.system.hardware),
         "steps": steps, "global_batch": batch, "gpus": s.system.cluster.gpus, "model": s.system.model.name,
-        "data": s.data_source, "cost_model": s.system.cost.name, "scheduler": mine_info["scheduler"],
-        "search": {"seconds": result.seconds, "pruning": {k: v.as_dict() for k, v in result.stats.items()},
-                   "why": result.why},
-        "artifacts": {"trace": mine_info["trace"], "baseline_trace": theirs_info["trace"],
+        "data": s.data_source, "cost_model": s.system.cost.name, "scheduler": infos["dflop"]["scheduler"],
+        "search": {"seconds": result.seconds, "pruning": expected["pruning"], "why": result.why},
+        "artifacts": {"trace": infos["dflop"]["trace"], "baseline_trace": infos["baseline"]["trace"],
                       "timeline": str(timeline), "plan": str(plan_file)},
     }
 

@@ -4,8 +4,10 @@ Each worker (a tensor-parallel GPU group) runs its compute nodes in order on
 its compute stream; a send occupies its link for its transfer (one transfer at
 a time per link when ``contention`` is on) while compute goes on, as NCCL's
 asynchronous point-to-point does; a receive completes when its data has
-arrived; a collective starts once every member could start it. All state lives
-in one ``simpy.Environment``; times are integer nanoseconds, so runs are exactly
+arrived; a collective starts once every member could start it, and a node with
+an anchor (a gradient reduction overlapping the backward that fills it) no
+earlier than its lag after the anchor starts. All state lives in one
+``simpy.Environment``; times are integer nanoseconds, so runs are exactly
 reproducible and equal the reference longest path when nothing contends.
 
 The simulation is event-driven without processes: a compute node or a
@@ -58,8 +60,10 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
     start, end = [0] * n, [-1] * n  # end -1 until the node has finished
     consumers, cls, link = graph.consumers, _classes(graph), graph.link
     duration = costs.duration.tolist()
-    alloc, free = costs.alloc.tolist(), costs.free.tolist()
-    missing = [len(d) for d in graph.deps]
+    alloc, free, transient = costs.alloc.tolist(), costs.free.tolist(), costs.transient.tolist()
+    anchor = graph.anchor or (-1,) * n
+    overlapping, lag = graph.overlapping, costs.lag.tolist()
+    missing = [len(d) + (anchor[k] >= 0) for k, d in enumerate(graph.deps)]
     ready_at = [0] * n
     collective_missing = [len(c) for c in graph.collectives]
     link_free = [0] * graph.links
@@ -79,15 +83,19 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
             if held[w] > costs.capacity and not any(e["worker"] == w for e in oom):
                 oom.append({"worker": w, "ns": at, "bytes": held[w], "capacity": costs.capacity})
 
+    def known(c: int, at: int, now: int) -> None:
+        """One more thing node c waits for is known to be over by ``at``."""
+        if at > ready_at[c]:
+            ready_at[c] = at
+        missing[c] -= 1
+        if not missing[c]:
+            begin(c, now)
+
     def finished(k: int, at: int, now: int) -> None:
         """Node k ends at ``at`` (>= now): pass it on to whatever waits for it."""
         end[k] = at
         for c in consumers[k]:
-            if at > ready_at[c]:
-                ready_at[c] = at
-            missing[c] -= 1
-            if not missing[c]:
-                begin(c, now)
+            known(c, at, now)
 
     def begin(k: int, now: int) -> None:
         """Everything k waits for is known to end by ``ready_at[k]``."""
@@ -105,9 +113,11 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
         elif kind == _COMPUTE:
             at = ready_at[k] if ready_at[k] > now else now
             start[k] = at
-            if alloc[k]:  # the worker is idle until then, so booking early changes no peak
-                change(worker_of[k], alloc[k], at)
+            if alloc[k] or transient[k]:  # the worker is idle until then, so booking early changes no peak
+                change(worker_of[k], alloc[k] + transient[k], at)
             timeout(at - now + duration[k], k).callbacks.append(compute_done)
+            for c in overlapping[k]:
+                known(c, at + lag[c], now)
         else:
             c = graph.nodes[k].collective
             collective_missing[c] -= 1
@@ -120,8 +130,8 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
 
     def compute_done(event: simpy.Event) -> None:
         k, now = event._value, env._now  # SimPy's fields: its properties cost a call per node
-        if free[k]:
-            change(worker_of[k], -free[k], now)
+        if free[k] or transient[k]:
+            change(worker_of[k], -(free[k] + transient[k]), now)
         finished(k, now, now)
 
     def collective_done(event: simpy.Event) -> None:

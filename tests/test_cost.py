@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from dflop.cost import AnalyticalCostModel, StageSpec, WorkShape, stage_params, state_bytes
 from dflop.cost import flops as F
 from dflop.specs import TrainingSpec, presets
+from dflop.specs.plan import Recompute
 
 
 def test_qwen_layer_flops_by_hand(model):
@@ -106,9 +107,32 @@ def test_empty_microbatch_costs_nothing(cost):
 
 
 def test_recompute_trades_memory_for_time(model, h100):
-    plain = AnalyticalCostModel(model, h100, TrainingSpec(global_batch=8))
-    full = AnalyticalCostModel(model, h100, TrainingSpec(global_batch=8, recompute="full"))
-    shape, stage = WorkShape(1, 0, 8000, 8000**2), StageSpec("llm", 7)
-    a, b = plain.stage_cost(stage, shape), full.stage_cost(stage, shape)
-    assert b.bwd_input == pytest.approx(a.bwd_input + a.fwd)
-    assert b.act_bytes < a.act_bytes / 4
+    cost = AnalyticalCostModel(model, h100, TrainingSpec(global_batch=8))
+    shape = WorkShape(1, 0, 8000, 8000**2)
+    plain, selective, full = (cost.stage_cost(StageSpec("llm", 7, recompute=r), shape) for r in Recompute)
+    assert full.bwd_input == pytest.approx(plain.bwd_input + plain.fwd)
+    assert full.act_bytes < plain.act_bytes / 4
+    assert full.recompute_flops == pytest.approx(plain.flops) and plain.recompute_flops == 0
+    # Selective drops the norms' outputs and SwiGLU's product, a third of a Qwen layer's activations,
+    # and redoes them at memory speed: slower than none, much faster than full.
+    llm = model.llm
+    kept = 6 * llm.hidden + 2 * llm.kv_dim + 3 * llm.ffn
+    dropped = 2 * llm.hidden + llm.ffn
+    assert selective.act_bytes == pytest.approx(plain.act_bytes * (kept - dropped) / kept)
+    assert plain.bwd_input < selective.bwd_input < full.bwd_input
+    redo = 3 * 8000 * dropped * 2 / h100.hbm_bandwidth  # three passes over the dropped bf16 elements
+    assert selective.bwd_input - plain.bwd_input == pytest.approx(7 * redo)
+    # While a layer is recomputed its activations exist for a moment: full holds one layer's worth.
+    assert full.transient_bytes == pytest.approx(plain.act_bytes / 7)
+    assert selective.transient_bytes == pytest.approx(8000 * dropped * 2)
+
+
+def test_logits_gradient_is_a_transient_peak_of_the_last_stage(model, h100):
+    cost = AnalyticalCostModel(model, h100, TrainingSpec(global_batch=8))
+    tokens, tp = 4096, 2
+    last = cost.stage_cost(StageSpec("llm", 2, tp=tp, last=True), WorkShape(1, 0, tokens, tokens**2))
+    inner = cost.stage_cost(StageSpec("llm", 2, tp=tp), WorkShape(1, 0, tokens, tokens**2))
+    logits = tokens * model.llm.vocab * 4 / tp  # fp32, vocabulary split over TP
+    assert last.transient_bytes == pytest.approx(logits) and inner.transient_bytes == 0
+    # Two parts of one stage run their backwards one after the other: transients do not add up.
+    assert (last + last).transient_bytes == pytest.approx(logits)

@@ -8,6 +8,7 @@ from dflop.errors import InfeasibleError
 from dflop.plan.evaluate import Estimate, PlanningProblem
 from dflop.plan.search import Optimizer, optimize
 from dflop.plan.space import DFLOP, MEGATRON, PYTORCH, SpaceBuilder
+from dflop.schedule.batching import Batching
 from dflop.plan.split import balanced_split
 from dflop.program.steps import StepRunner
 from dflop.sim.simulate import simulate_steps
@@ -18,7 +19,7 @@ from dflop.workload import profile_mix
 def problem_for(encoder, llm, gpus, batch, mix="llava-ov"):
     model = presets.model(encoder, llm)
     cluster = ClusterSpec(hardware=presets.hardware("h100"), nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus))
-    training = TrainingSpec(global_batch=batch, recompute="full")
+    training = TrainingSpec(global_batch=batch)
     data = profile_mix(mix, 5000, model.encoder, seed=1).samples
     return PlanningProblem(System(model, cluster, training, AnalyticalCostModel(model, cluster.hardware, training)),
                            data)
@@ -42,11 +43,11 @@ def test_bounds_never_exceed_evaluated_times():
     builder = SpaceBuilder(problem, 64)
     rng = np.random.default_rng(0)
     for placement in ("colocated", "disaggregated"):
-        plans = list(builder.plans(DFLOP, placement))
+        plans = [p for options in builder.plans(DFLOP, placement) for p in options]
         for i in rng.choice(len(plans), size=min(12, len(plans)), replace=False):
             plan = plans[i]
-            screen = opt.screener.screen(plan, True)
-            e = opt.ev.extend(Estimate(plan, True, screen.bound), 2)
+            screen = opt.screener.screen(plan, Batching.BALANCED)
+            e = opt.ev.extend(Estimate(plan, Batching.BALANCED, screen.bound), 2)
             assert e.mean >= screen.bound * (1 - 1e-9)
             if placement == "disaggregated":
                 assert opt.split_bound(plan.encoder.gpus) <= screen.bound * (1 + 1e-9)
@@ -58,7 +59,8 @@ def test_chosen_plan_does_not_run_out_of_memory_in_the_simulator():
     result = opt.search(DFLOP)
     plan = result.best.plan
     batches = [opt.pool[i] for i in range(2)]
-    sim = simulate_steps(StepRunner(plan, problem.system), batches, lambda i, b: opt.ev.assignment(plan, b, True)[0])
+    sim = simulate_steps(StepRunner(plan, problem.system), batches,
+                         lambda i, b: opt.ev.assignment(plan, i, Batching.BALANCED)[0])
     assert sim.metrics.oom == []
     assert max(sim.metrics.peak_memory_gib) * 2**30 <= problem.cluster.hardware.usable_memory_bytes
 
@@ -73,26 +75,56 @@ def test_too_small_cluster_names_the_smallest_shortfall():
 def test_spaces_respect_topology_and_their_restrictions():
     problem = problem_for("siglip-so400m", "qwen2.5-7b", 16, 128)
     builder = SpaceBuilder(problem, 128)
+    seen = {}
     for space in (DFLOP, MEGATRON, PYTORCH):
         for placement in ("colocated", "disaggregated"):
-            for plan in builder.plans(space, placement):
-                assert not plan.problems(problem.cluster, problem.model, 128), plan.describe()
-                assert plan.gpus == 16
-                if space is not DFLOP:
-                    assert plan.placement == "colocated" and not plan.llm.layers_per_stage
-                if space is PYTORCH:
-                    assert (plan.llm.tp, plan.llm.pp, plan.zero) == (1, 1, 3)
+            for options in builder.plans(space, placement):
+                assert [p.recompute for p in options] == ["none", "selective", "full"]
+                for plan in options[:1]:
+                    assert not plan.problems(problem.cluster, problem.model, 128), plan.describe()
+                    assert plan.gpus == 16
+                    seen.setdefault(space.name, set()).add(plan)
+                    if space is MEGATRON:
+                        assert plan.fp32_grads and plan.zero == 1  # DDP is dominated by the distributed optimizer
+                        if not plan.colocated:  # the encoder's own stage on every replica, TP at most the LLM's
+                            assert plan.encoder.dp == plan.llm.dp and plan.encoder.tp <= plan.llm.tp
+                    if space is PYTORCH:
+                        assert plan.colocated and plan.llm.pp == 1 and plan.zero in (0, 2, 3)
+                    if plan.pipeline_ranks == 1:
+                        assert plan.schedule == "1F1B" and plan.virtual_stages == 1  # canonical
+    assert any(p.hsdp for p in seen["pytorch"]) and any(not p.colocated for p in seen["megatron"])
+    # dflop's space holds every baseline plan, or one alike but for provably dominated memory options
+    mine = {(p.encoder, p.llm, p.placement, p.microbatches, p.schedule, p.virtual_stages, p.zero, p.hsdp)
+            for p in seen["dflop"]}
+    for plan in seen["megatron"] | seen["pytorch"]:
+        zero = 1 if plan.zero == 0 else plan.zero
+        alike = [(plan.encoder, plan.llm, plan.placement, plan.microbatches, plan.schedule, plan.virtual_stages,
+                  z, plan.hsdp) for z in (zero, 2)]
+        assert any(a in mine for a in alike), plan.describe()
 
 
-def test_speedup_is_against_the_best_baseline():
+def test_speedup_is_against_the_strongest_baseline_and_decomposes():
     problem = problem_for("siglip-so400m", "qwen2.5-7b", 8, 64)
-    result = optimize(problem, 64, first=2, most=2)
-    assert set(result.baselines) == {"megatron", "pytorch"}
-    assert result.baseline.mean == min(e.mean for e in result.baselines.values())
-    assert result.speedup == pytest.approx(result.baseline.mean / result.best.mean)
-    assert result.speedup > 1.0
+    result = optimize(problem, 64, first=2, most=2, noise=0.2)
+    names = {(b.space, b.batching) for b in result.baselines}
+    assert names == {(s, r) for s in ("megatron", "pytorch") for r in (Batching.ARRIVAL, Batching.MODALITY,
+                                                                        Batching.TOKENS)}
+    strongest = result.strongest
+    assert strongest.best.mean == min(b.best.mean for b in result.found)
+    assert result.speedup == pytest.approx(strongest.best.mean / result.best.mean)
+    d = result.decomposition
+    assert d["plan_gain"] * d["balance_gain"] == pytest.approx(result.speedup)
+    # dflop's space contains the baselines': its choice is never slower than any of them, or their plans
+    # with dflop's bins
+    assert all(result.best.mean <= e.mean for b in result.found for e in (b.best, b.balanced) if e is not None)
     assert result.ideal_s <= result.best.mean
-    assert result.why and "faster than the best data-blind baseline" in result.why[0]
+    error = result.speedup_at_error()
+    assert error["sigma"] == 0.2 and error["speedup"] > 0
+    assert error["plan_gain"] * error["balance_gain"] == pytest.approx(error["speedup"])
+    json = result.to_json()
+    assert len(json["baselines"]) == 6 and all({"space", "batching", "plan", "step_time_s", "mfu"} <= set(b)
+                                                for b in json["baselines"])
+    assert 0 < json["plan"]["mfu"] <= json["plan"]["hfu"] < 1
 
 
 @settings(max_examples=80)

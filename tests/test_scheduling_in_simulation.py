@@ -18,8 +18,9 @@ TRAINING = TrainingSpec(global_batch=128, recompute="full")
 COST = AnalyticalCostModel(MODEL, CLUSTER.hardware, TRAINING)
 SYSTEM = System(MODEL, CLUSTER, TRAINING, COST)
 PLANS = [
-    Plan(encoder=ModulePlan(tp=1, pp=1, dp=4), llm=ModulePlan(tp=4, pp=1, dp=3), microbatches=8),
-    Plan(encoder=ModulePlan(tp=2, dp=4), llm=ModulePlan(tp=2, pp=2, dp=4), microbatches=8, placement="colocated"),
+    Plan(encoder=ModulePlan(tp=1, pp=1, dp=4), llm=ModulePlan(tp=4, pp=1, dp=3), microbatches=8, recompute="full"),
+    Plan(encoder=ModulePlan(tp=2, dp=4), llm=ModulePlan(tp=2, pp=2, dp=4), microbatches=8, placement="colocated",
+         recompute="full"),
 ]
 
 

@@ -117,43 +117,76 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
 
 # ---- plan, schedule, simulate, run -------------------------------------------------------------
 
+ERROR_HELP = ("Per-sample prediction error (lognormal sigma) the speedups are also reported at (default: the "
+              "profiled model's held-out error, or 0.2 for the analytical model).")
+
+
+def _pct(x: float | None) -> str:
+    return f"{x:.1%}" if x is not None else "n/a"
+
+
+def baseline_lines(r: dict[str, Any]) -> list[str]:
+    """The baselines table, the speedup and its decomposition, at zero and at the prediction error."""
+    lines = ["baselines (space / batching: best plan; the same plan with dflop's bins):"]
+    for b in r["baselines"]:
+        name = f"{b['space']} / {b['batching']}"
+        if b["plan"] is None:
+            lines.append(f"  {name:<28} no plan: {b['reason']}")
+            continue
+        balanced = b["balanced_step_time_s"]
+        lines.append(f"  {name:<28} {b['step_time_s']:7.3f} s  MFU {_pct(b['mfu'])}  [{b['plan']}]"
+                     + (f"; with dflop's bins {balanced:.3f} s" if balanced is not None else ""))
+    if r["speedup"] is not None:
+        d = r["decomposition"]
+        lines.append(f"speedup {r['speedup']:.2f}x against the strongest baseline ({r['baseline']['space']} / "
+                     f"{r['baseline']['batching']})" + (f" = plan gain {d['plan_gain']:.2f}x x balance gain "
+                                                         f"{d['balance_gain']:.2f}x" if d else ""))
+    e = r.get("prediction_error")
+    if e:
+        lines.append(f"at {e['sigma']:.0%} per-sample prediction error ({e['source']}): speedup {e['speedup']:.2f}x"
+                     + (f" = plan gain {e['plan_gain']:.2f}x x balance gain {e['balance_gain']:.2f}x"
+                        if "plan_gain" in e else ""))
+    lines += [f"warning: {w}" for w in r.get("warnings", [])]
+    return lines
+
+
 @cli.command()
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
 @click.option("--gpus", type=click.IntRange(min=1), help="Plan for this many GPUs instead of the config's.")
+@click.option("--prediction-error", "error", type=click.FloatRange(min=0.0), help=ERROR_HELP)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Plan (YAML) to write.")
 @json_option
-def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) -> None:
+def optimize(config: Path | None, gpus: int | None, error: float | None, out: Path, as_json: bool) -> None:
     """Choose tensor/pipeline/data parallelism for the encoder and the LLM."""
     from dflop import job
     from dflop.cli.progress import progress_bar
+    from dflop.cost.select import prediction_error
     from dflop.specs.loading import save_spec
 
     s = job.setup(config, gpus=gpus)
+    _writable(out)
     with progress_bar() as progress:
-        result = job.optimize(s, progress=progress)
-    save_spec(result.best.plan, _writable(out))
-    data = {**job.optimize_json(result, s.system.hardware.usable_memory_bytes), "out": str(out)}
+        result = job.optimize(s, progress=progress, noise=error)
+    save_spec(result.best.plan, out)
+    source = prediction_error(s.system.cost)[1] if error is None else "given with --prediction-error"
+    data = {**job.optimize_json(result, s.system.hardware.usable_memory_bytes, source), "out": str(out)}
 
     def human(r: dict[str, Any]) -> str:
         p = r["plan"]
-        lines = [f"plan: {p['describe']}  -> {r['out']}",
+        lines = [f"plan: {p['describe']} ({p['batching']} bins)  -> {r['out']}",
                  f"  expected step {p['step_time_s']:.3f} s (+-{p['ci95_s']:.3f}, {p['batches']} batches)"
-                 + (f", simulated {p['simulated_step_time_s']:.3f} s" if p["simulated_step_time_s"] else ""),
+                 + (f", simulated {p['simulated_step_time_s']:.3f} s" if p["simulated_step_time_s"] else "")
+                 + f"; MFU {_pct(p['mfu'])}, HFU {_pct(p['hfu'])}",
                  f"  bubbles {p['bubble_fraction']:.1%}, idle {p['idle_fraction']:.1%}, "
                  f"memory {p['peak_memory_gib']:.1f} of {r['usable_memory_gib']:.1f} GiB per GPU"]
-        if r["baseline"]:
-            b = r["baseline"]
-            sim = b["simulated_step_time_s"]
-            lines.append(f"best baseline ({b['space']}): {b['describe']}  expected step {b['step_time_s']:.3f} s"
-                         + (f", simulated {sim:.3f} s" if sim else "")
-                         + f"  -> speedup {r['speedup']:.2f}x" + (" (simulated)" if sim else ""))
+        lines += baseline_lines(r)
         lines.append(f"ideal (all compute spread evenly): {r['ideal_step_time_s']:.3f} s")
-        lines += ["alternatives:"] + [f"  {a['step_time_s']:.3f} s  {a['plan']}" for a in r["alternatives"]]
+        lines += ["alternatives:"] + [f"  {a['step_time_s']:.3f} s  {a['plan']} ({a['batching']})"
+                                      for a in r["alternatives"]]
         lines += ["why:"] + [f"  {w}" for w in r["why"]]
         lines.append(f"search: {r['search_seconds']:.1f} s; " + "; ".join(
             f"{k}: {v['enumerated']} plans, {v['pruned_memory']} too big, {v['pruned_bound']} bounded out, "
-            f"{v['pruned_splits']} GPU splits skipped, {v['evaluated']} evaluated"
-            for k, v in r["pruning"].items()))
+            f"{v['evaluated']} evaluated" for k, v in r["pruning"].items()))
         return "\n".join(lines)
 
     emit(data, as_json, human)
@@ -205,17 +238,22 @@ def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | N
     sim, info = job.simulate(s, plan, steps=steps or s.config.steps, solver=s.config.scheduler.solver, out=out,
                              name="simulate")
     timeline = plot_timeline(sim.trace, out / "timeline.png")
+    from dflop.plan.report import implausible
+
     data = {"plan": job.plan_summary(plan), **job.step_fields(sim, s.system.training.global_batch),
             "steps": sim.metrics.steps, "cost_model": s.system.cost.name, "scheduler": info["scheduler"],
-            "oom": sim.metrics.oom[:5], "artifacts": {"trace": info["trace"], "timeline": str(timeline)}}
+            "oom": sim.metrics.oom[:5], "warnings": implausible("plan", sim.metrics.mfu, s.system.hardware),
+            "artifacts": {"trace": info["trace"], "timeline": str(timeline)}}
 
     def human(r: dict[str, Any]) -> str:
         return "\n".join([
             f"plan: {r['plan']['describe']}",
             f"  {r['steps']} steps, step {r['step_time_s']['mean']:.3f} s (p50 {r['step_time_s']['p50']:.3f}), "
             f"{r['throughput_samples_per_s']:.1f} samples/s",
-            f"  bubbles {r['bubble_fraction']:.1%}, idle {r['idle_fraction']:.1%}, peak memory "
-            f"{r['peak_memory_gib']:.1f} GiB, {r['oom_events']} out-of-memory events",
+            f"  MFU {_pct(r['mfu'])}, HFU {_pct(r['hfu'])}; bubbles {r['bubble_fraction']:.1%}, "
+            f"idle {r['idle_fraction']:.1%}, peak memory {r['peak_memory_gib']:.1f} GiB, "
+            f"{r['oom_events']} out-of-memory events",
+            *[f"warning: {w}" for w in r["warnings"]],
             f"trace -> {r['artifacts']['trace']}", f"timeline -> {r['artifacts']['timeline']}"])
 
     emit(data, as_json, human)
@@ -225,10 +263,12 @@ def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | N
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
 @click.option("--backend", type=click.Choice(["sim", "torch"]), default="sim", show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), help="Steps to run.")
+@click.option("--prediction-error", "error", type=click.FloatRange(min=0.0), help=ERROR_HELP)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("out/run"), show_default=True)
 @json_option
-def run(config: Path | None, backend: str, steps: int | None, out: Path, as_json: bool) -> None:
-    """Profile, optimize, schedule every step, execute, compare with the data-blind baseline."""
+def run(config: Path | None, backend: str, steps: int | None, error: float | None, out: Path,
+        as_json: bool) -> None:
+    """Profile, optimize, schedule every step, execute, compare with the strongest baseline."""
     from dflop import job
     from dflop.cli.progress import progress_bar
 
@@ -238,20 +278,29 @@ def run(config: Path | None, backend: str, steps: int | None, out: Path, as_json
     s = job.setup(config)
     ensure_writable_folder(out, "output")
     with progress_bar() as progress:
-        data = job.run(s, steps=steps or s.config.steps, out=out, progress=progress)
+        data = job.run(s, steps=steps or s.config.steps, out=out, progress=progress, noise=error)
 
     def human(r: dict[str, Any]) -> str:
-        b = r["baseline"]
-        return "\n".join([
+        b, d = r["baseline"], r["decomposition"]
+        lines = [
             f"{r['model']} on {r['gpus']} GPUs, {r['data']}, global batch {r['global_batch']}, {r['steps']} steps",
-            f"dflop     {r['plan']['describe']}",
+            f"dflop     {r['plan']['describe']} ({r['batching']} bins)",
             f"          step {r['step_time_s']['mean']:.3f} s, {r['throughput_samples_per_s']:.1f} samples/s, "
-            f"bubbles {r['bubble_fraction']:.1%}, idle {r['idle_fraction']:.1%}",
-            f"baseline  {b['plan']['describe']}",
+            f"MFU {_pct(r['mfu'])}, HFU {_pct(r['hfu'])}, bubbles {r['bubble_fraction']:.1%}, "
+            f"idle {r['idle_fraction']:.1%}",
+            f"baseline  {b['space']} / {b['batching']}: {b['plan']['describe']}",
             f"          step {b['step_time_s']['mean']:.3f} s, {b['throughput_samples_per_s']:.1f} samples/s, "
-            f"bubbles {b['bubble_fraction']:.1%}, idle {b['idle_fraction']:.1%}",
-            f"speedup   {r['speedup']:.2f}x (simulated; the optimizer expected {r['expected']['speedup']:.2f}x)",
-            f"timeline  {r['artifacts']['timeline']}"])
+            f"MFU {_pct(b['mfu'])}, HFU {_pct(b['hfu'])}, bubbles {b['bubble_fraction']:.1%}, "
+            f"idle {b['idle_fraction']:.1%}",
+            f"speedup   {r['speedup']:.2f}x simulated = plan gain {d['plan_gain']:.2f}x x balance gain "
+            f"{d['balance_gain']:.2f}x (the optimizer expected {r['expected']['speedup']:.2f}x)"]
+        e = r["prediction_error"]
+        if e:
+            lines.append(f"          {e['speedup']:.2f}x expected at {e['sigma']:.0%} per-sample prediction error "
+                         f"({e['source']})")
+        lines += [f"warning: {w}" for w in r["warnings"]]
+        lines.append(f"timeline  {r['artifacts']['timeline']}")
+        return "\n".join(lines)
 
     emit(data, as_json, human)
 

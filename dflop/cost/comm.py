@@ -1,10 +1,19 @@
-"""Communication times from link bandwidth and latency (alpha-beta model)."""
+"""Communication times from link bandwidth and latency (alpha-beta model).
+
+A collective's bandwidth depends on where its GPUs are: inside one node it runs
+over NVLink; across nodes, NCCL runs one ring per NIC, so a group with g GPUs in
+each of its nodes moves g times one NIC's bandwidth between nodes (and never
+more than NVLink carries), at the network's latency.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections import Counter
+from typing import Any, Sequence
 
 import numpy as np
+
+from dflop.specs.hardware import ClusterSpec
 
 
 def p2p_time(nbytes: Any, bandwidth: float, latency: float) -> Any:
@@ -27,3 +36,17 @@ def ring_allreduce_time(nbytes: Any, ranks: int, bandwidth: float, latency: floa
 def allgather_time(nbytes: Any, ranks: int, bandwidth: float, latency: float) -> Any:
     """Ring all-gather (or reduce-scatter) producing ``nbytes`` per rank: half an all-reduce."""
     return 0.5 * ring_allreduce_time(nbytes, ranks, bandwidth, latency)
+
+
+def reduce_scatter_time(nbytes: Any, ranks: int, bandwidth: float, latency: float) -> Any:
+    """Ring reduce-scatter of ``nbytes`` per rank (each rank keeps 1/ranks of the reduced data)."""
+    return allgather_time(nbytes, ranks, bandwidth, latency)
+
+
+def collective_link(cluster: ClusterSpec, gpus: Sequence[int]) -> tuple[float, float]:
+    """(bandwidth per rank, latency) of a ring collective over ``gpus``."""
+    hw = cluster.hardware
+    per_node = Counter(cluster.node_of(g) for g in gpus)
+    if len(per_node) <= 1:
+        return hw.intra_node_bandwidth, hw.intra_node_latency
+    return min(hw.intra_node_bandwidth, min(per_node.values()) * hw.inter_node_bandwidth), hw.inter_node_latency

@@ -72,6 +72,12 @@ def llm_layer_activation_elements(llm: LLMSpec, tokens: Array) -> Array:
     return tokens * (6 * llm.hidden + 2 * llm.kv_dim + 3 * llm.ffn)
 
 
+def llm_layer_selective_elements(llm: LLMSpec, tokens: Array) -> Array:
+    """Of those, what selective recomputation drops and recomputes: both norms' outputs and
+    SwiGLU's product (elementwise, cheap to redo, a third of the layer's activations)."""
+    return tokens * (2 * llm.hidden + llm.ffn)
+
+
 # ---- ViT encoder -----------------------------------------------------------------------------
 
 def vit_layer_params(enc: EncoderSpec) -> int:
@@ -113,6 +119,11 @@ def projector_flops(model: MLLMSpec, tiles: Array) -> Array:
 def vit_layer_activation_elements(enc: EncoderSpec, tiles: Array) -> Array:
     """Norm inputs and outputs, Q, K, V, attention output, the MLP's two intermediates."""
     return tiles * enc.patches_per_tile * (8 * enc.hidden + 2 * enc.mlp)
+
+
+def vit_layer_selective_elements(enc: EncoderSpec, tiles: Array) -> Array:
+    """Both norms' outputs and the GELU's output: what selective recomputation redoes."""
+    return tiles * enc.patches_per_tile * (2 * enc.hidden + enc.mlp)
 
 
 def projector_activation_elements(model: MLLMSpec, tiles: Array) -> Array:

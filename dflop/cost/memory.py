@@ -1,9 +1,18 @@
 """Per-GPU memory of one pipeline stage: model state plus activations in flight.
 
 Model state per parameter follows the training spec's byte counts (16 bytes
-for mixed-precision Adam by default), divided by tensor parallelism, and the
-optimizer state (ZeRO-1) or everything (ZeRO-3 / FSDP) further divided by
-data parallelism. ZeRO-3 also holds two layers' full weights while gathering.
+for mixed-precision Adam by default: 2 weights + 2 gradients + 12 optimizer),
+divided by tensor parallelism, then by data parallelism as the ZeRO stage
+shards it:
+
+- ZeRO-0: nothing sharded (16 bytes; 18 with fp32 gradient buffers);
+- ZeRO-1: optimizer state sharded: 4 + 12/d (Megatron's distributed optimizer
+  with fp32 gradient buffers: 6 + 12/d);
+- ZeRO-2: gradients sharded too, plus one bucket of unsharded gradients;
+- ZeRO-3: weights sharded too, plus what FSDP holds unsharded while it works:
+  the root's parameters (embeddings, head, projector), two layers' weights
+  (the one computing and the one prefetched) and one layer's gradients.
+
 Activations are the bytes each in-flight microbatch keeps until its backward,
 times the number the pipeline schedule keeps in flight on that stage.
 """
@@ -55,25 +64,42 @@ def stage_params(model: MLLMSpec, stage: StageSpec) -> int:
     return n
 
 
+FP32_GRAD_BYTES = 4
+
+
+def grad_bytes(training: TrainingSpec, fp32_grads: bool) -> int:
+    """Bytes of one gradient as accumulated and reduced."""
+    return FP32_GRAD_BYTES if fp32_grads else training.grad_bytes
+
+
 def state_bytes(params: float, tp: int, dp: int, zero: int, training: TrainingSpec,
-                largest_layer_params: float = 0.0) -> tuple[float, float, float]:
-    """(weights, grads, optimizer) bytes per GPU."""
+                largest_layer_params: float = 0.0, *, fp32_grads: bool = False,
+                root_params: float = 0.0) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes per GPU; ``dp`` is the sharding degree (the shard group of
+    hybrid sharding); ``root_params`` stay unsharded through a ZeRO-3 step."""
     per_gpu = params / tp
+    gb = grad_bytes(training, fp32_grads)
     weights = per_gpu * training.weight_bytes
-    grads = per_gpu * training.grad_bytes
+    grads = per_gpu * gb
     optimizer = per_gpu * training.optimizer_bytes
     if zero >= 1:
         optimizer /= dp
+    if zero == 2:
+        grads = grads / dp + min(training.bucket_params, params) / tp * gb
     if zero >= 3:
-        weights = weights / dp + 2 * largest_layer_params / tp * training.weight_bytes
-        grads /= dp
+        weights = weights / dp + (root_params + 2 * largest_layer_params) / tp * training.weight_bytes
+        grads = grads / dp + largest_layer_params / tp * gb
     return weights, grads, optimizer
+
+
+def layer_params(model: MLLMSpec, module: str) -> int:
+    return F.vit_layer_params(model.encoder) if module == "encoder" else F.llm_layer_params(model.llm)
 
 
 def stage_memory(model: MLLMSpec, stage: StageSpec, *, dp: int, zero: int, training: TrainingSpec,
                  act_bytes_per_microbatch: float, inflight: int) -> StageMemory:
     params = stage_params(model, stage)
-    layer = (F.vit_layer_params(model.encoder) if stage.module == "encoder"
-             else F.llm_layer_params(model.llm))
-    weights, grads, optimizer = state_bytes(params, stage.tp, dp, zero, training, layer)
+    layer = layer_params(model, stage.module)
+    weights, grads, optimizer = state_bytes(params, stage.tp, dp, zero, training, layer,
+                                            root_params=params - stage.layers * layer)
     return StageMemory(params, weights, grads, optimizer, act_bytes_per_microbatch * inflight)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ from dflop.cost.analytical import AnalyticalCostModel
 from dflop.cost.protocol import StageCost, StageSpec, WorkShape
 from dflop.specs.hardware import HardwareSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import Recompute
 
 
 def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 500) -> np.ndarray:
@@ -197,17 +198,26 @@ class ProfiledCostModel:
             extras = (["embed"] if stage.first else []) + (["head"] if stage.last else [])
         f, b, linear, m = self._part(stage.module, "block", stage.tp, x, sq, samples)
         fwd, bwd, weight, act = stage.layers * f, stage.layers * b, stage.layers * linear / 2, stage.layers * m
-        if self.training.recompute == "full":
+        if stage.recompute is Recompute.FULL:
             bwd = bwd + fwd
             act = ref.act_bytes  # layer inputs only: the analytical count of what recomputation keeps
+        elif stage.recompute is Recompute.SELECTIVE:  # the analytical share kept, and its redo time
+            plain = self.analytical.stage_cost(replace(stage, recompute=Recompute.NONE), shape)
+            act = act * np.where(plain.act_bytes > 0, ref.act_bytes / np.maximum(plain.act_bytes, 1e-30), 1.0)
+            bwd = bwd + (ref.bwd_input - plain.bwd_input)
         for phase in extras:
             if (stage.module, phase, 1, "fwd_ms") in self.fits or (stage.module, phase, stage.tp, "fwd_ms") in self.fits:
                 ef, eb, _, em = self._part(stage.module, phase, stage.tp, x)
                 fwd, bwd, weight = fwd + ef, bwd + eb, weight + eb / 2
-                if self.training.recompute != "full":
+                if stage.recompute is not Recompute.FULL:
                     act = act + em
         comm = self.analytical.tp_comm(stage, shape)
-        return StageCost(fwd + comm, bwd - weight + comm, weight, act, ref.flops)
+        return StageCost(fwd + comm, bwd - weight + comm, weight, act, ref.flops, ref.transient_bytes,
+                         ref.recompute_flops)
+
+    def prediction_error(self) -> float:
+        """Per-sample relative error to expect: the median error on held-out measured shapes."""
+        return float(holdout_error(self.records, self.fits)["median"])
 
     def holdout_error(self) -> dict[str, float]:
         return holdout_error(self.records, self.fits)

@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import Recompute
 
 Array = Any
 
@@ -30,11 +31,15 @@ class StageSpec:
     """Holds the input side: patch embedding (encoder) or token embedding (LLM)."""
     last: bool = False
     """Holds the output side: projector (encoder) or final norm, LM head and loss (LLM)."""
+    recompute: Recompute = Recompute.NONE
+    """Activation recomputation of its layers (the plan's)."""
 
     @classmethod
-    def of(cls, module: Literal["encoder", "llm"], layers: tuple[int, ...], stage: int, tp: int) -> "StageSpec":
+    def of(cls, module: Literal["encoder", "llm"], layers: tuple[int, ...], stage: int, tp: int,
+           recompute: Recompute = Recompute.NONE) -> "StageSpec":
         """Stage ``stage`` of a module split into ``layers`` per stage."""
-        return cls(module, layers[stage], tp, first=stage == 0, last=stage == len(layers) - 1)
+        return cls(module, layers[stage], tp, first=stage == 0, last=stage == len(layers) - 1,
+                   recompute=Recompute(recompute))
 
 
 @dataclass(frozen=True)
@@ -69,20 +74,28 @@ class StageCost:
     """Activation bytes kept from forward until backward."""
     flops: Array
     """Forward FLOPs (for utilisation figures)."""
+    transient_bytes: Array = 0.0
+    """Bytes held for a moment on top of the kept activations during the backward: the logits'
+    gradient of the loss, one layer's recomputed activations."""
+    recompute_flops: Array = 0.0
+    """FLOPs the backward spends recomputing the forward (hardware FLOPs beyond the model's)."""
 
     @property
     def bwd(self) -> Array:
         return self.bwd_input + self.bwd_weight
 
     def __add__(self, other: "StageCost") -> "StageCost":
+        """Two parts of one stage: times, kept bytes and FLOPs add up; the transient peaks do not,
+        since the parts' backwards run one after the other."""
         return StageCost(self.fwd + other.fwd, self.bwd_input + other.bwd_input,
                          self.bwd_weight + other.bwd_weight, self.act_bytes + other.act_bytes,
-                         self.flops + other.flops)
+                         self.flops + other.flops, np.maximum(self.transient_bytes, other.transient_bytes),
+                         self.recompute_flops + other.recompute_flops)
 
     def scaled(self, factor: Array) -> "StageCost":
         """Time scaled by ``factor`` (bytes and FLOPs unchanged)."""
         return StageCost(self.fwd * factor, self.bwd_input * factor, self.bwd_weight * factor,
-                         self.act_bytes, self.flops)
+                         self.act_bytes, self.flops, self.transient_bytes, self.recompute_flops)
 
 
 @runtime_checkable

@@ -3,10 +3,11 @@ modules, the analytical model otherwise, and always saying which."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Callable, Iterable
 
-from dflop.cost.analytical import AnalyticalCostModel
+from dflop.cost.analytical import UNCALIBRATED_ERROR, AnalyticalCostModel
 from dflop.cost.profiled import ProfiledCostModel
 from dflop.cost.protocol import CostModel
 from dflop.cost.store import load_records
@@ -31,3 +32,14 @@ def select_cost_model(model: MLLMSpec, hardware: HardwareSpec, training: Trainin
     return (AnalyticalCostModel(model, hardware, training),
             f"cost model: analytical ({hardware.name}; no measured profile of {model.encoder.name} and "
             f"{model.llm.name} on this device)")
+
+
+
+def prediction_error(cost: CostModel) -> tuple[float, str]:
+    """(sigma, where it comes from) of the per-sample cost error to assume for ``cost``: the
+    profiled model's median held-out error, or the analytical model's stated default."""
+    if isinstance(cost, ProfiledCostModel):
+        sigma = cost.prediction_error()
+        if math.isfinite(sigma) and sigma > 0:
+            return sigma, "median held-out error of the profiled model"
+    return UNCALIBRATED_ERROR, "stated default for an uncalibrated analytical model"

@@ -2,9 +2,12 @@
 
 Every candidate is timed on the *same* sampled batches (common random
 numbers), so differences between candidates are not noise from different
-batches. Each batch is partitioned by the scheduler (data-aware plans) or cut
-in arrival order (data-blind baselines), costed by the cost model and timed by
-the fast evaluator, communication included. Two cheap checks come first:
+batches. Each batch is cut into bins by a batching rule (dflop's scheduler, or
+a baseline's rule from ``dflop.schedule.batching``), costed by the cost model
+and timed by the fast evaluator, communication included. With a prediction
+error ``noise`` the bins are made from the batch as predicted and timed on the
+batch as the world costs it (``dflop.cost.error.perturb``). Two cheap checks
+come first:
 
 - memory: model state plus the activations of the microbatches the schedule
   keeps in flight, for the largest bin the scheduler may produce (its caps),
@@ -23,12 +26,14 @@ from functools import lru_cache
 
 import numpy as np
 
+from dflop.cost.error import perturb
 from dflop.cost.protocol import CostModel, StageSpec, WorkShape
 from dflop.cost.system import System
 from dflop.errors import InfeasibleError
 from dflop.program.actions import Kind
 from dflop.program.evaluate import evaluate, summarize
 from dflop.program.steps import StepRunner
+from dflop.schedule.batching import Batching, assign
 from dflop.schedule.heuristics import lpt
 from dflop.schedule.improve import improve
 from dflop.schedule.problem import Partition, PartitionProblem, finish
@@ -87,13 +92,16 @@ class BatchPool:
 @dataclass
 class Estimate:
     plan: Plan
-    data_aware: bool
+    batching: Batching
     lower_bound: float
     steps: list[float] = field(default_factory=list)
     bubble: list[float] = field(default_factory=list)
     idle: list[float] = field(default_factory=list)
     imbalance: list[float] = field(default_factory=list)
     """Largest bin load over the mean bin load (1 = perfectly balanced)."""
+    mfu: list[float] = field(default_factory=list)
+    hfu: list[float] = field(default_factory=list)
+    """Hardware FLOPs utilisation: recomputed FLOPs count as work."""
     peak_memory: float = 0.0
     simulated: float | None = None
     """Step time in the SimPy simulator (with link contention), when confirmed."""
@@ -103,6 +111,10 @@ class Estimate:
     @property
     def n(self) -> int:
         return len(self.steps)
+
+    @property
+    def data_aware(self) -> bool:
+        return self.batching is Batching.BALANCED
 
     @property
     def mean(self) -> float:
@@ -116,9 +128,11 @@ class Estimate:
         return 1.96 * float(np.std(self.steps, ddof=1)) / np.sqrt(self.n)
 
     def summary(self) -> dict:
-        return {"plan": self.plan.describe(), "step_time_s": self.mean, "ci95_s": float(self.ci), "batches": self.n,
+        return {"plan": self.plan.describe(), "batching": str(self.batching), "step_time_s": self.mean,
+                "ci95_s": float(self.ci), "batches": self.n,
                 "bubble_fraction": float(np.mean(self.bubble)), "idle_fraction": float(np.mean(self.idle)),
-                "imbalance": float(np.mean(self.imbalance)), "peak_memory_gib": self.peak_memory / 2**30,
+                "imbalance": float(np.mean(self.imbalance)), "mfu": float(np.mean(self.mfu)),
+                "hfu": float(np.mean(self.hfu)), "peak_memory_gib": self.peak_memory / 2**30,
                 "simulated_step_time_s": self.simulated}
 
 
@@ -150,8 +164,8 @@ def inflight(schedule: str, stages: int, microbatches: int, virtual: int) -> tup
 
 
 class Evaluator:
-    def __init__(self, problem: PlanningProblem, pool: BatchPool, cap_batches: int = 12) -> None:
-        self.p, self.pool = problem, pool
+    def __init__(self, problem: PlanningProblem, pool: BatchPool, cap_batches: int = 12, noise: float = 0.0) -> None:
+        self.p, self.pool, self.noise = problem, pool, noise
         data = problem.data
         self.cap_batches = cap_batches
         batches = [pool[i] for i in range(cap_batches)]
@@ -162,7 +176,8 @@ class Evaluator:
         self.max_tokens = float(data.llm_tokens.max())
         self.max_tiles = float(data.tiles.max())
         self._runners: dict[Plan, StepRunner] = {}
-        self._blind: dict[int, tuple[float, float]] = {}
+        self._blind: dict[tuple, tuple[float, float]] = {}
+        self._rules: dict[tuple, np.ndarray] = {}
         self._whole: dict[tuple, np.ndarray] = {}
 
     # ---- caps and memory ----------------------------------------------------------------------
@@ -172,21 +187,29 @@ class Evaluator:
         return np.array([max(self.max_tokens, CAP_SLACK * self.heaviest_tokens / plan.bins),
                          max(self.max_tiles, CAP_SLACK * self.heaviest_tiles / plan.bins)])
 
-    def worst_bins(self, plan: Plan, data_aware: bool) -> tuple[float, float]:
+    def worst_bins(self, plan: Plan, batching: Batching) -> tuple[float, float]:
         """(LLM tokens, tiles) of the largest bin the plan may get on the batches it is judged on:
-        the caps for data-aware plans, the largest arrival-order bin for data-blind ones."""
-        if data_aware:
+        the caps for dflop's scheduler, the largest bin a baseline's rule makes."""
+        if batching is Batching.BALANCED:
             cap = self.caps(plan)
             return float(cap[0]), float(cap[1])
-        if plan.bins not in self._blind:
+        key = (batching, plan.llm.dp, plan.microbatches)
+        if key not in self._blind:
             tokens = tiles = 0.0
-            for i in range(self.cap_batches):  # arrival order, equal counts
+            for i in range(self.cap_batches):
                 b = self.pool[i]
-                a = (np.arange(len(b)) * plan.bins) // len(b)
+                a = self.rule_bins(batching, i, plan)
                 tokens = max(tokens, float(np.bincount(a, weights=b.llm_tokens, minlength=plan.bins).max()))
                 tiles = max(tiles, float(np.bincount(a, weights=b.tiles, minlength=plan.bins).max()))
-            self._blind[plan.bins] = (tokens, tiles)
-        return self._blind[plan.bins]
+            self._blind[key] = (tokens, tiles)
+        return self._blind[key]
+
+    def rule_bins(self, batching: Batching, i: int, plan: Plan) -> np.ndarray:
+        """Bins of pool batch i under a baseline rule (they depend on the bin grid only)."""
+        key = (batching, i, plan.llm.dp, plan.microbatches)
+        if key not in self._rules:
+            self._rules[key] = assign(batching, self.pool[i], plan.llm.dp, plan.microbatches)
+        return self._rules[key]
 
     # ---- lower bound ----------------------------------------------------------------------------
 
@@ -204,17 +227,17 @@ class Evaluator:
 
     def lower_bound(self, plan: Plan, n: int) -> float:
         model = self.p.model
-        llm_layers = plan.stage_layers("llm", model)
-        per_stage = [self._whole_batch(StageSpec.of("llm", llm_layers, s, plan.llm.tp), n)
+        llm_layers, rc = plan.stage_layers("llm", model), plan.recompute
+        per_stage = [self._whole_batch(StageSpec.of("llm", llm_layers, s, plan.llm.tp, rc), n)
                      for s in range(len(llm_layers))]
         if plan.colocated:
-            enc = StageSpec("encoder", model.encoder.layers, plan.llm.tp, first=True, last=True)
+            enc = StageSpec("encoder", model.encoder.layers, plan.llm.tp, first=True, last=True, recompute=rc)
             per_stage[0] = per_stage[0] + self._whole_batch(enc, n)
         ranks = [sum(per_stage[s] for s in range(r, len(per_stage), plan.llm.pp)) / plan.llm.dp
                  for r in range(plan.llm.pp)]
         if not plan.colocated:
             enc_layers = plan.stage_layers("encoder", model)
-            ranks += [self._whole_batch(StageSpec.of("encoder", enc_layers, s, plan.encoder.tp), n)
+            ranks += [self._whole_batch(StageSpec.of("encoder", enc_layers, s, plan.encoder.tp, rc), n)
                       / plan.encoder.dp for s in range(len(enc_layers))]
         return float(np.mean(np.max(np.stack(ranks), axis=0)))
 
@@ -227,31 +250,43 @@ class Evaluator:
             self._runners[plan] = StepRunner(plan, self.p.system)
         return self._runners[plan]
 
-    def assignment(self, plan: Plan, batch: SampleTable, data_aware: bool) -> tuple[np.ndarray, float]:
-        """Bins of one batch, as the scheduler (or a data-blind framework) makes them."""
+    def assignment(self, plan: Plan, i: int, batching: Batching) -> tuple[np.ndarray, float]:
+        """Bins of pool batch i, as the scheduler (or a baseline's rule) makes them, and how uneven
+        they are in predicted cost (largest bin over the mean)."""
+        batch = self.pool[i]
         costs = plan_costs(batch, plan, self.p.model, self.p.cost)
-        if data_aware:
+        if batching is Batching.BALANCED:
             schedule = schedule_batch(batch, plan, costs=costs, caps=self.caps(plan), partitioner=quick)
+            assignment, loads = schedule.assignment, schedule.partition.loads
         else:
-            schedule = schedule_batch(batch, plan, costs=costs, solver="sequential")
-        part = schedule.partition
-        return schedule.assignment, part.makespan / max(part.loads.max(axis=1).mean(), 1e-30)
+            assignment = self.rule_bins(batching, i, plan)
+            loads = np.stack([np.bincount(assignment, weights=costs[:, d], minlength=plan.bins)
+                              for d in range(costs.shape[1])], axis=1)
+        worst = loads.max(axis=1)
+        return assignment, float(worst.max() / max(worst.mean(), 1e-30))
+
+    def world(self, i: int) -> SampleTable:
+        """Pool batch i as the world costs it (with the evaluator's prediction error)."""
+        return perturb(self.pool[i], self.noise, (self.pool.seed, i, 7))
 
     def extend(self, estimate: Estimate, upto: int) -> Estimate:
         """Time the plan on batches estimate.n .. upto-1."""
         runner = self.runner(estimate.plan)
+        peak = self.p.cluster.hardware.peak_flops
         for i in range(estimate.n, upto):
-            batch = self.pool[i]
             try:
-                assignment, imbalance = self.assignment(estimate.plan, batch, estimate.data_aware)
+                assignment, imbalance = self.assignment(estimate.plan, i, estimate.batching)
             except InfeasibleError:
                 estimate.infeasible = True
                 return estimate
-            timing = runner.step(i, batch, assignment).timing
+            timing = runner.step(i, self.world(i), assignment).timing
             summary = summarize(timing, evaluate(timing))
+            mfu, hfu = summary.utilisation(peak)
             estimate.steps.append(summary.step_s)
             estimate.bubble.append(summary.bubble_fraction)
             estimate.idle.append(summary.idle_fraction)
             estimate.imbalance.append(imbalance)
+            estimate.mfu.append(mfu)
+            estimate.hfu.append(hfu)
             estimate.peak_memory = max(estimate.peak_memory, float(summary.peak_memory.max()))
         return estimate

@@ -3,22 +3,30 @@
 These run on every candidate, so everything is cached by the parts of a plan
 it depends on. The *estimate* uses average-sized microbatches and the
 schedules' closed forms with unequal stages (fill and drain through every
-stage once, then the bottleneck stage once per further microbatch); it only
-orders the candidates. The *bound* is what prunes: the slowest stage's share
-of the whole batch, which no schedule can beat.
+stage once, then the bottleneck stage once per further microbatch), plus the
+exposed part of the data-parallel communication (``dpcomm``'s formulas on the
+average microbatch); it only orders the candidates. The *bound* is what
+prunes: the slowest stage's share of the whole batch, which no schedule and no
+communication can beat.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dflop.cost.comm import p2p_time, ring_allreduce_time
+from dflop.cost.comm import p2p_time
+from dflop.cost.overlap import bucket_lag
 from dflop.cost.protocol import StageSpec, WorkShape
-from dflop.program.costing import group_state
-from dflop.specs.plan import Plan
 from dflop.plan.evaluate import Evaluator, inflight
+from dflop.program.actions import Kind
+from dflop.program.costing import group_state
+from dflop.program.dpcomm import GroupComm, fsdp_op, group_comm
+from dflop.schedule.batching import Batching
+from dflop.specs.plan import Plan
+
+Shape = tuple[float, float, float, float]
 
 
 @dataclass(frozen=True)
@@ -29,29 +37,81 @@ class Screen:
     estimate: float
 
 
+def dp_group(plan: Plan, module: str, stage: int) -> list[int]:
+    """GPUs of the data-parallel group of tensor-parallel rank 0 of a pipeline rank, as ``place``
+    lays them out (encoder first, then the LLM; replicas side by side, stages apart)."""
+    mp = plan.module(module)
+    base = plan.encoder.gpus if module == "llm" and not plan.colocated else 0
+    return [base + mp.tp * (r + mp.dp * stage) for r in range(mp.dp)]
+
+
 class Screener:
     def __init__(self, evaluator: Evaluator, bound_batches: int) -> None:
         self.ev, self.p = evaluator, evaluator.p
         self.n = bound_batches
-        self._times: dict[tuple, tuple[float, float, float, float]] = {}
+        self._times: dict[tuple, tuple[float, ...]] = {}
         self._state: dict[tuple, tuple[float, float]] = {}
+        self._comm: dict[tuple, GroupComm | None] = {}
+        self._bounds: dict[Plan, float] = {}
+        self._plans: dict[Plan, tuple[float, float, list]] = {}
 
-    def _stage(self, spec: StageSpec, shape: tuple[float, float, float, float]) -> tuple[float, float, float, float]:
-        """(fwd, bwd_input, bwd_weight, activation bytes) of a stage, cached."""
+    def _stage(self, spec: StageSpec, shape: Shape) -> tuple[float, ...]:
+        """(fwd, bwd_input, bwd_weight, activation bytes, transient bytes) of a stage, cached."""
         key = (spec, shape)
         if key not in self._times:
             c = self.p.cost.stage_cost(spec, WorkShape(*shape))
-            self._times[key] = (float(c.fwd), float(c.bwd_input), float(c.bwd_weight), float(c.act_bytes))
+            self._times[key] = (float(c.fwd), float(c.bwd_input), float(c.bwd_weight), float(c.act_bytes),
+                                float(np.max(c.transient_bytes)))
         return self._times[key]
 
     def _group_state(self, plan: Plan, layers: dict, module: str, stages: tuple[int, ...], tp: int) -> tuple[float, float]:
         mp = plan.module(module)
-        key = (module, layers[module], stages, tp, mp.dp, plan.zero, plan.placement)
+        key = (module, layers[module], stages, tp, mp.dp, plan.zero, plan.hsdp, plan.fp32_grads, plan.placement)
         if key not in self._state:
-            self._state[key] = group_state(plan, self.p.model, self.p.training, layers, module, stages, tp)
+            self._state[key] = group_state(plan, self.p.model, self.p.training, layers, module, stages, tp,
+                                           self.p.cluster.gpus_per_node)
         return self._state[key]
 
-    def screen(self, plan: Plan, data_aware: bool) -> Screen:
+    def _group_comm(self, plan: Plan, module: str, stage: int, params: float) -> GroupComm | None:
+        mp = plan.module(module)
+        key = (module, stage, params, mp.tp, mp.dp, plan.zero, plan.hsdp, plan.fp32_grads, plan.placement,
+               plan.encoder.gpus)
+        if key not in self._comm:
+            self._comm[key] = group_comm(plan, self.p.model, self.p.training, self.p.cluster, params, mp.tp,
+                                         dp_group(plan, module, stage))
+        return self._comm[key]
+
+    def screen(self, plan: Plan, batching: Batching) -> Screen:
+        """Memory at the largest bins ``batching`` makes; the estimate and bound (the same for every
+        rule) once per plan."""
+        if plan not in self._plans:
+            self._plans[plan] = self._timing(plan)
+        estimate, bound, ranks = self._plans[plan]
+        ev = self.ev
+        model = self.p.model
+        per_bin = ev.pool.size / plan.bins
+        tokens_cap, tiles_cap = ev.worst_bins(plan, batching)
+        cap = (per_bin, tiles_cap, tokens_cap, tokens_cap * ev.max_tokens)
+        chunk_cap = min(tiles_cap * plan.llm.dp / plan.encoder.dp + ev.max_tiles, tiles_cap * plan.llm.dp)
+        memory, where = 0.0, ""
+        for module, local, specs, state, held in ranks:
+            act = transient = 0.0
+            for spec in specs:
+                c = self._stage(spec, (1, chunk_cap, 0, 0) if module == "encoder" else cap)
+                a, t = c[3], c[4]
+                if module == "llm" and plan.colocated and spec.first:
+                    enc = StageSpec("encoder", model.encoder.layers, spec.tp, first=True, last=True,
+                                    recompute=plan.recompute)
+                    e = self._stage(enc, (per_bin, tiles_cap, 0, 0))
+                    a, t = a + e[3], max(t, e[4])
+                act, transient = max(act, a), max(transient, t)
+            need = state + held * act + transient
+            if need > memory:
+                memory, where = need, f"{module} pipeline rank {local}"
+        return Screen(memory, where, bound, estimate)
+
+    def _timing(self, plan: Plan) -> tuple[float, float, list]:
+        """(estimate, bound, per rank: module, local rank, stage specs, state bytes, microbatches held)."""
         p, ev = self.p, self.ev
         model, hw = p.model, p.cluster.hardware
         layers = {"encoder": plan.stage_layers("encoder", model), "llm": plan.stage_layers("llm", model)}
@@ -60,43 +120,36 @@ class Screener:
         virtual = plan.virtual_stages if colocated else 1
         ranks = enc_stages + plan.llm.pp
         held = inflight(plan.schedule, ranks * virtual, plan.microbatches, virtual)
-
-        size = ev.pool.size
-        per_bin = size / plan.bins
+        per_bin = ev.pool.size / plan.bins
         avg_tokens = per_bin * ev.mean_tokens
         avg = (per_bin, per_bin * ev.mean_tiles, avg_tokens, avg_tokens * ev.mean_tokens)
-        tokens_cap, tiles_cap = ev.worst_bins(plan, data_aware)
-        cap = (per_bin, tiles_cap, tokens_cap, tokens_cap * ev.max_tokens)
-        chunk_avg = size * ev.mean_tiles / (plan.encoder.dp * plan.microbatches)
-        chunk_cap = min(tiles_cap * plan.llm.dp / plan.encoder.dp + ev.max_tiles, tiles_cap * plan.llm.dp)
-
-        rank_time, rank_fi, rank_w, memory, where = [], [], [], 0.0, ""
+        chunk_avg = ev.pool.size * ev.mean_tiles / (plan.encoder.dp * plan.microbatches)
+        rank_time, rank_fi, rank_w, out, parts = [], [], [], [], {}
         for rank in range(ranks):
             module = "encoder" if rank < enc_stages else "llm"
             local = rank - (0 if module == "encoder" else enc_stages)
             mp = plan.module(module)
             stages = tuple(range(local, len(layers[module]), mp.pp)) if module == "llm" else (local,)
-            f = i = w = act = 0.0
-            for s in stages:
-                spec = StageSpec.of(module, layers[module], s, mp.tp)
-                if module == "encoder":
-                    t, a = self._stage(spec, (1, chunk_avg, 0, 0)), self._stage(spec, (1, chunk_cap, 0, 0))[3]
-                else:
-                    t, a = self._stage(spec, avg), self._stage(spec, cap)[3]
-                    if colocated and s == 0:
-                        enc = StageSpec("encoder", model.encoder.layers, mp.tp, first=True, last=True)
-                        e = self._stage(enc, (per_bin, avg[1], 0, 0))
-                        t = tuple(x + y for x, y in zip(t, e))
-                        a += self._stage(enc, (per_bin, tiles_cap, 0, 0))[3]
-                f, i, w, act = f + t[0], i + t[1], w + t[2], max(act, a)
+            specs = [StageSpec.of(module, layers[module], s, mp.tp, plan.recompute) for s in stages]
+            f = i = w = 0.0
+            for spec in specs:
+                t = self._stage(spec, (1, chunk_avg, 0, 0) if module == "encoder" else avg)
+                if module == "llm":
+                    parts["llm"] = t
+                    if colocated and spec.first:
+                        enc = StageSpec("encoder", model.encoder.layers, mp.tp, first=True, last=True,
+                                        recompute=plan.recompute)
+                        parts["encoder"] = self._stage(enc, (per_bin, avg[1], 0, 0))
+                        t = tuple(x + y for x, y in zip(t, parts["encoder"]))
+                f, i, w = f + t[0], i + t[1], w + t[2]
             rank_time.append(f + i + w)
             rank_fi.append(f + i)
             rank_w.append(w)
-            _, state = self._group_state(plan, layers, module, stages, mp.tp)
-            need = state + held[rank] * act
-            if need > memory:
-                memory, where = need, f"{module} pipeline rank {local}"
-
+            params, state = self._group_state(plan, layers, module, stages, mp.tp)
+            out.append((module, local, specs, state, held[rank]))
+            comm = self._group_comm(plan, module, local, params)
+            if comm is not None:
+                rank_time[-1] += self._exposed(plan, comm, parts, i + w) / plan.microbatches
         m = plan.microbatches
         bottleneck = max(rank_time)
         if virtual > 1:
@@ -108,8 +161,23 @@ class Screener:
         hidden = model.llm.hidden * p.training.activation_bytes * avg_tokens / plan.llm.tp
         estimate += 2 * (ranks - 1) * float(p2p_time(hidden, hw.inter_node_bandwidth * plan.llm.tp,
                                                       hw.inter_node_latency))
-        params, _ = self._group_state(plan, layers, "llm", (0,), plan.llm.tp)
-        if plan.zero != 3:
-            estimate += float(ring_allreduce_time(params / plan.llm.tp * p.training.grad_bytes, plan.llm.dp,
-                                                  hw.inter_node_bandwidth, hw.inter_node_latency))
-        return Screen(memory, where, ev.lower_bound(plan, self.n), estimate)
+        shape = replace(plan, zero=1, hsdp=False, fp32_grads=False)  # the bound ignores memory options
+        if shape not in self._bounds:
+            self._bounds[shape] = ev.lower_bound(plan, self.n)
+        return estimate, self._bounds[shape], out
+
+    def _exposed(self, plan: Plan, comm: GroupComm, parts: dict, backward: float) -> float:
+        """Seconds per step the rank's data-parallel communication adds beyond its compute, on
+        average microbatches (``backward``: one microbatch's backward on the rank)."""
+        m, s = plan.microbatches, self.p.cluster.hardware.comm_slowdown
+        if comm.units is not None:
+            fwd = {k: v[0] for k, v in parts.items()}
+            bwd = {k: v[1] + v[2] for k, v in parts.items()}
+            g_f, t_f, _ = fsdp_op(Kind.F, comm.units, fwd, s)
+            g_b, t_b, _ = fsdp_op(Kind.B, comm.units, bwd, s)
+            return m * (g_f + g_b + float(t_f) + float(t_b) - sum(fwd.values()) - sum(bwd.values()))
+        total = comm.reduce + comm.gather
+        tail = float(bucket_lag(backward, total, comm.buckets)) + total - backward
+        if plan.zero == 2:  # every microbatch reduce-scatters beside its backward
+            tail += (m - 1) * max(0.0, comm.reduce - backward)
+        return max(tail, 0.0)

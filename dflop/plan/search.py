@@ -1,11 +1,14 @@
-"""The data-aware 3D-parallelism optimizer.
+"""The data-aware 3D-parallelism optimizer, and the baselines it is measured against.
 
-For each space (dflop's, and the data-blind baselines' restricted spaces):
+For each (space, batching rule) searched (dflop's space with dflop's balanced
+bins; each baseline space with each baseline batching rule):
 
-1. enumerate every plan the topology allows;
+1. enumerate every plan the topology allows, with its memory options (ZeRO,
+   hybrid sharding, gradient width) minus the provably dominated ones, each
+   with the least recomputation that fits;
 2. drop plans that do not fit in memory (their largest possible bins);
 3. order the rest by a closed-form estimate and evaluate them on sampled
-   batches (scheduler + fast evaluator), skipping every plan whose proven lower
+   batches (bins + fast evaluator), skipping every plan whose proven lower
    bound is no better than the best time already measured, and stopping after
    ``budget`` evaluations (``exhaustive`` evaluates everything the bound allows);
 4. refine the leaders with more batches until the paired confidence interval
@@ -13,7 +16,14 @@ For each space (dflop's, and the data-blind baselines' restricted spaces):
 5. re-run the best few in the SimPy simulator (link contention included), when
    a ``confirm`` function is given, and pick the fastest there.
 
-The speedup is always against the best plan of the best baseline space.
+Every baseline's best plan is then also timed with dflop's bins; those, and
+the baselines as they are, join dflop's candidates (dflop's space contains
+every baseline space), so dflop's choice is never slower than a baseline under
+the same model. The speedup is against the strongest baseline; it splits into
+a *plan gain* (dflop's plan vs the strongest baseline's plan, both with dflop's
+bins) and a *balance gain* (that plan with dflop's bins vs with its own rule).
+With a prediction error, the chosen plans are timed again on batches whose
+costs differ from the predictions the bins were made from.
 """
 
 from __future__ import annotations
@@ -27,15 +37,17 @@ import numpy as np
 from dflop.cost.protocol import StageSpec
 from dflop.errors import InfeasibleError
 from dflop.plan.evaluate import BatchPool, Estimate, Evaluator, PlanningProblem
+from dflop.plan.report import Baseline, OptimizeResult, explain, score
 from dflop.plan.screen import Screener
 from dflop.plan.space import BASELINES, DFLOP, Space, SpaceBuilder
+from dflop.schedule.batching import RULES, Batching
 from dflop.specs.hardware import GIB
 from dflop.specs.plan import Placement, Plan
 
 Progress = Callable[[str, int, int], None]
 """(what, done, total)."""
-Confirm = Callable[[Plan, bool], float]
-"""(plan, data_aware) -> simulated step seconds."""
+Confirm = Callable[[Plan, Batching], float]
+"""(plan, batching) -> simulated step seconds."""
 
 
 @dataclass
@@ -57,45 +69,13 @@ class SearchStats:
 @dataclass
 class SpaceResult:
     space: str
+    batching: Batching
     ranked: list[Estimate]
     stats: SearchStats
 
     @property
     def best(self) -> Estimate:
-        return min(self.ranked, key=_score)
-
-
-@dataclass
-class OptimizeResult:
-    best: Estimate
-    alternatives: list[Estimate]
-    baselines: dict[str, Estimate]
-    stats: dict[str, SearchStats]
-    seconds: float
-    ideal_s: float
-    """All compute of a batch spread evenly over all GPUs at the hardware's efficiency."""
-    why: list[str] = field(default_factory=list)
-
-    @property
-    def baseline(self) -> Estimate:
-        return min(self.baselines.values(), key=_score)
-
-    @property
-    def speedup(self) -> float:
-        return _score(self.baseline) / _score(self.best)
-
-    def to_json(self) -> dict:
-        base = self.baseline
-        return {"plan": self.best.summary(), "alternatives": [e.summary() for e in self.alternatives],
-                "baseline": {"space": next(k for k, v in self.baselines.items() if v is base), **base.summary()},
-                "baselines": {k: v.summary() for k, v in self.baselines.items()},
-                "speedup": self.speedup, "ideal_step_time_s": self.ideal_s,
-                "search_seconds": self.seconds, "pruning": {k: v.as_dict() for k, v in self.stats.items()},
-                "why": self.why}
-
-
-def _score(e: Estimate) -> float:
-    return e.simulated if e.simulated is not None else e.mean
+        return min(self.ranked, key=score)
 
 
 def _paired_worse(a: Estimate, b: Estimate) -> bool:
@@ -110,10 +90,11 @@ def _paired_worse(a: Estimate, b: Estimate) -> bool:
 class Optimizer:
     def __init__(self, problem: PlanningProblem, global_batch: int, *, first: int = 3, most: int = 12,
                  budget: int | None = 48, exhaustive: bool = False, confirm: Confirm | None = None,
-                 confirm_top: int = 3, progress: Progress | None = None) -> None:
+                 confirm_top: int = 3, progress: Progress | None = None, noise: float = 0.0) -> None:
         self.p = problem
         self.pool = BatchPool(problem.data, global_batch, problem.seed)
         self.ev = Evaluator(problem, self.pool, cap_batches=max(most, first))
+        self.noisy = Evaluator(problem, self.pool, cap_batches=max(most, first), noise=noise) if noise > 0 else None
         self.screener = Screener(self.ev, first)
         self.spaces = SpaceBuilder(problem, global_batch)
         self.first, self.most, self.budget = first, max(most, first), budget
@@ -129,13 +110,34 @@ class Optimizer:
         llm = self.ev._whole_batch(StageSpec("llm", model.llm.layers, 1, first=True, last=True), n)
         return float(np.mean(np.maximum(enc / encoder_gpus, llm / (self.p.cluster.gpus - encoder_gpus))))
 
-    def search(self, space: Space) -> SpaceResult:
+    def _fitting(self, options: list[Plan], batching: Batching, stats: SearchStats, short: list) -> tuple | None:
+        """(estimate, bound, options from the first that fits on) of one plan's recomputation options."""
+        for k, plan in enumerate(options):
+            s = self.screener.screen(plan, batching)
+            if s.memory <= self.usable:
+                return s.estimate, s.bound, options[k:]
+            if not short or s.memory < short[0][0]:
+                short[:] = [(s.memory, plan, s.memory_rank)]
+        stats.pruned_memory += 1
+        return None
+
+    def _evaluate(self, options: list[Plan], batching: Batching, bound: float) -> Estimate | None:
+        """The first recomputation option whose evaluated bins fit."""
+        for plan in options:
+            if plan is not options[0] and self.screener.screen(plan, batching).memory > self.usable:
+                continue
+            e = self.ev.extend(Estimate(plan, batching, bound), self.first)
+            if not e.infeasible and e.peak_memory <= self.usable:
+                return e
+        return None
+
+    def search(self, space: Space, batching: Batching = Batching.BALANCED) -> SpaceResult:
         """Colocated plans first: they are few, and the time they reach bounds the disaggregated
         search from the start (whole encoder/LLM GPU splits are skipped by ``split_bound``)."""
         stats = SearchStats()
         ranked: list[Estimate] = []
         best = [float("inf")]
-        short = None
+        short: list = []
 
         def skip(encoder_gpus: int) -> bool:
             if self.split_bound(encoder_gpus) >= best[0]:
@@ -143,40 +145,37 @@ class Optimizer:
                 return True
             return False
 
+        what = f"{space.name} {batching}"
         for placement in (Placement.COLOCATED, Placement.DISAGGREGATED):
             screened = []
-            for plan in self.spaces.plans(space, placement, skip):
+            for options in self.spaces.plans(space, placement, skip):
                 stats.enumerated += 1
-                s = self.screener.screen(plan, space.data_aware)
-                if s.memory > self.usable:
-                    stats.pruned_memory += 1
-                    if short is None or s.memory < short[0]:
-                        short = (s.memory, plan, s.memory_rank)
-                    continue
-                screened.append((s.estimate, s.bound, plan))
+                found = self._fitting(options, batching, stats, short)
+                if found is not None:
+                    screened.append(found)
             screened.sort(key=lambda x: (x[0], x[1]))
-            for k, (_, bound, plan) in enumerate(screened):
-                self.progress(f"{space.name} {placement}", k, len(screened))
+            for k, (_, bound, options) in enumerate(screened):
+                self.progress(f"{what} {placement}", k, len(screened))
                 if bound >= best[0]:
                     stats.pruned_bound += 1
                     continue
                 if not self.exhaustive and self.budget is not None and stats.evaluated >= self.budget:
                     stats.not_evaluated += 1
                     continue
-                e = self.ev.extend(Estimate(plan, space.data_aware, bound), self.first)
                 stats.evaluated += 1
-                if e.infeasible or e.peak_memory > self.usable:  # bins larger than screened for: out
+                e = self._evaluate(options, batching, bound)
+                if e is None:  # bins larger than screened for: out
                     stats.pruned_memory += 1
                     continue
                 ranked.append(e)
                 best[0] = min(best[0], e.mean)
-            self.progress(f"{space.name} {placement}", len(screened), len(screened))
+            self.progress(f"{what} {placement}", len(screened), len(screened))
         if not ranked:
-            self._no_fit(space, short)
+            self._no_fit(space, short[0] if short else None)
         self._refine(ranked)
         ranked = [e for e in ranked if not e.infeasible and e.peak_memory <= self.usable]
         stats.batches = sum(e.n for e in ranked)
-        return SpaceResult(space.name, sorted(ranked, key=lambda e: e.mean), stats)
+        return SpaceResult(space.name, batching, sorted(ranked, key=lambda e: e.mean), stats)
 
     def _no_fit(self, space: Space, short) -> None:
         hw = self.p.cluster.hardware
@@ -203,11 +202,12 @@ class Optimizer:
             for e in open_ + ([best] if best.n < self.most else []):
                 self.ev.extend(e, min(self.most, e.n + self.first))
 
-    def _confirm(self, result: SpaceResult) -> None:
+    def _confirm(self, estimates: list[Estimate]) -> None:
         if self.confirm is None:
             return
-        for e in result.ranked[:self.confirm_top]:
-            e.simulated = self.confirm(e.plan, e.data_aware)
+        for e in estimates:
+            if e.simulated is None:
+                e.simulated = self.confirm(e.plan, e.batching)
 
     def ideal(self) -> float:
         model = self.p.model
@@ -216,51 +216,53 @@ class Optimizer:
         whole = self.ev._whole_batch(llm, self.first) + self.ev._whole_batch(enc, self.first)
         return float(np.mean(whole)) / self.p.cluster.gpus
 
-    def run(self, spaces: tuple[Space, ...] = (DFLOP,), baselines: tuple[Space, ...] = BASELINES) -> OptimizeResult:
+    def baselines(self, spaces: tuple[Space, ...], rules: tuple[Batching, ...]) -> tuple[list[Baseline], dict]:
+        """Every (baseline space, rule): its best plan, or why it has none; and each best plan timed
+        with dflop's bins."""
+        out, stats = [], {}
+        for space in spaces:
+            for rule in rules:
+                try:
+                    r = self.search(space, rule)
+                except InfeasibleError as exc:
+                    out.append(Baseline(space.name, rule, None, None, str(exc)))
+                    continue
+                stats[f"{space.name}:{rule}"] = r.stats
+                self._confirm(r.ranked[:self.confirm_top])
+                best = r.best
+                balanced = self.ev.extend(Estimate(best.plan, Batching.BALANCED, best.lower_bound), best.n)
+                if balanced.infeasible or balanced.peak_memory > self.usable:
+                    balanced = None
+                else:
+                    self._confirm([balanced])
+                out.append(Baseline(space.name, rule, best, balanced, ""))
+        return out, stats
+
+    def run(self, spaces: tuple[Space, ...] = (DFLOP,), baselines: tuple[Space, ...] = BASELINES,
+            rules: tuple[Batching, ...] = tuple(RULES)) -> OptimizeResult:
         start = time.perf_counter()
         mine = [self.search(s) for s in spaces]
-        results = {s.name: r for s, r in zip(spaces, mine)}
-        for r in mine:
-            self._confirm(r)
-        base: dict[str, Estimate] = {}
-        for space in baselines:
-            try:
-                r = self.search(space)
-            except InfeasibleError:
-                continue  # a baseline space with no fitting plan is simply absent
-            self._confirm(r)
-            results[space.name] = r
-            base[space.name] = r.best
-        winner = min((r.best for r in mine), key=_score)
-        pool = sorted((e for r in mine for e in r.ranked), key=_score)
-        alternatives = [e for e in pool if e is not winner][:5]
-        result = OptimizeResult(winner, alternatives, base, {k: r.stats for k, r in results.items()},
-                                time.perf_counter() - start, self.ideal())
+        stats = {f"{r.space}:{r.batching}": r.stats for r in mine}
+        pool = sorted((e for r in mine for e in r.ranked), key=lambda e: e.mean)
+        self._confirm(pool[:self.confirm_top])
+        base, base_stats = self.baselines(baselines, rules)
+        stats.update(base_stats)
+        pool += [e for b in base for e in (b.best, b.balanced) if e is not None]
+        judged = [e for e in pool if e.simulated is not None] if self.confirm else pool
+        winner = min(judged, key=score)
+        alternatives = [e for e in sorted(judged, key=score) if e is not winner][:5]
+        result = OptimizeResult(winner, alternatives, base, stats, time.perf_counter() - start, self.ideal(),
+                                self.p.cluster.hardware)
+        if self.noisy is not None:
+            result.noise = self.noisy.noise
+            for e in result.judged():
+                result.at_error[id(e)] = self.noisy.extend(Estimate(e.plan, e.batching, e.lower_bound), e.n).mean
         result.why = explain(result, self.usable)
         return result
-
-
-def explain(result: OptimizeResult, usable: float) -> list[str]:
-    """Why the winner wins, in the terms a person would check: bubbles, balance, memory."""
-    w = result.best
-    out = []
-    if result.baselines:
-        b = result.baseline
-        out.append(f"{result.speedup:.2f}x faster than the best data-blind baseline [{b.plan.describe()}]: "
-                   f"step {_score(w):.3f} s vs {_score(b):.3f} s")
-        out.append(f"bubbles {np.mean(w.bubble):.1%} vs {np.mean(b.bubble):.1%}; bins within "
-                   f"{np.mean(w.imbalance):.3f}x of the mean vs {np.mean(b.imbalance):.3f}x")
-        out.append(f"peak memory {w.peak_memory / GIB:.1f} GiB vs {b.peak_memory / GIB:.1f} GiB "
-                   f"of {usable / GIB:.1f} GiB usable")
-    if result.alternatives:
-        a = result.alternatives[0]
-        gap = _score(a) / _score(w) - 1
-        out.append(f"runner-up [{a.plan.describe()}] is {gap:.1%} slower "
-                   f"(bubbles {np.mean(a.bubble):.1%}, {a.n} batches)")
-    return out
 
 
 def optimize(problem: PlanningProblem, global_batch: int, **options) -> OptimizeResult:
     spaces = options.pop("spaces", (DFLOP,))
     baselines = options.pop("baselines", BASELINES)
-    return Optimizer(problem, global_batch, **options).run(spaces, baselines)
+    rules = options.pop("rules", tuple(RULES))
+    return Optimizer(problem, global_batch, **options).run(spaces, baselines, rules)

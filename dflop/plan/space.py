@@ -4,44 +4,116 @@ Topology rules: tensor parallelism divides a node and the attention (and
 key-value) heads; pipeline stages never outnumber layers; every bin of the
 global batch gets at least one sample; the encoder's GPUs come first and are
 a multiple of the LLM's TP degree, so no TP group straddles two nodes. On
-large clusters the encoder/LLM split moves in whole nodes.
+large clusters the encoder/LLM split moves in whole nodes. Plans are canonical:
+one pipeline rank always runs 1F1B with one virtual stage.
 
-- ``DFLOP``: encoder and LLM planned independently, disaggregated or
-  colocated, layers split by cost, data-aware microbatches.
-- ``MEGATRON``: one TP/PP/DP for the whole model, encoder in the first stage,
-  even layer split, microbatches cut in arrival order.
-- ``PYTORCH``: pure data parallelism (FSDP), equal sample counts per rank.
+- ``MEGATRON`` (Megatron-LM's LLaVA): one TP/PP/DP for the LLM; the encoder in
+  the first LLM stage with the LLM's TP, or in its own pipeline stages with
+  its own TP (at most the LLM's) on every data-parallel replica
+  (``--encoder-pipeline-model-parallel-size``, ``--encoder-tensor-model-parallel-size``):
+  a disaggregated plan whose encoder has the LLM's data parallelism. Layers
+  split evenly or with a lighter first and last stage
+  (``--decoder-first/last-pipeline-num-layers``); 1F1B or interleaved; DDP or
+  the distributed optimizer, both with fp32 gradient buffers.
+- ``PYTORCH`` (FSDP2 / DeepSpeed, as torchtitan and LLaVA's trainer run them):
+  one colocated stage, TP optional; DDP, ZeRO-2, FSDP (ZeRO-3) or HSDP.
+- ``DFLOP``: everything above, plus encoder and LLM planned independently on
+  separate GPUs, any layer split (balanced by cost), zero-bubble schedules,
+  ZeRO-1 everywhere and bf16 gradient buffers. Every space picks its
+  recomputation (none, selective, full) per plan.
+
+A space lists what it allows; ``variants`` drops the choices that can never be
+faster than another the same space allows (``prove_dominated`` says why), so
+the search evaluates fewer plans without losing the best.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Callable, Iterator
 
 from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.plan.split import balanced_split
-from dflop.specs.plan import ModulePlan, Placement, Plan
+from dflop.specs.plan import ModulePlan, Placement, Plan, Recompute, even_split
 
 PP_OPTIONS = (1, 2, 3, 4, 6, 8, 12, 16)
 ENCODER_PP_OPTIONS = (1, 2, 3, 4)
 MICROBATCH_OPTIONS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+class Layers(str, Enum):
+    """How a space may split layers over pipeline stages."""
+
+    EVEN = "even"
+    FIRST_LAST = "first-last"
+    """Even middle stages, first and last stage sized by cost (Megatron's uneven pipeline)."""
+    BALANCED = "balanced"
+    """Any split, balanced by cost at the average bin."""
+
+
+class Encoder(str, Enum):
+    """Where a space may put the encoder besides the first LLM stage."""
+
+    STAGE = "stage"
+    """Own pipeline stages on every LLM replica, own TP up to the LLM's (Megatron)."""
+    FREE = "free"
+    """Own GPUs with its own TP, PP and DP (dflop's disaggregated plans)."""
+
+
 @dataclass(frozen=True)
 class Space:
     name: str
-    data_aware: bool
-    placements: tuple[Placement, ...]
+    encoder: tuple[Encoder, ...]
+    """Layouts besides colocated (the encoder in the first LLM stage, which every space allows)."""
     schedules: tuple[str, ...]
-    balanced_layers: bool
-    zero: int = 1
-    pure_dp: bool = False
+    layers: tuple[Layers, ...]
+    zero: tuple[int, ...]
+    hsdp: bool
+    fp32_grads: tuple[bool, ...]
+    max_pp: int = max(PP_OPTIONS)
+    recompute: tuple[Recompute, ...] = tuple(Recompute)
 
 
-DFLOP = Space("dflop", True, (Placement.DISAGGREGATED, Placement.COLOCATED), ("1F1B", "ZBH1", "Interleaved1F1B"), True)
-MEGATRON = Space("megatron", False, (Placement.COLOCATED,), ("1F1B", "Interleaved1F1B"), False)
-PYTORCH = Space("pytorch", False, (Placement.COLOCATED,), ("1F1B",), False, zero=3, pure_dp=True)
+DFLOP = Space("dflop", (Encoder.STAGE, Encoder.FREE),
+              ("1F1B", "ZBH1", "Interleaved1F1B", "InterleavedZeroBubble"),
+              (Layers.EVEN, Layers.FIRST_LAST, Layers.BALANCED), (0, 1, 2, 3), True, (False, True))
+MEGATRON = Space("megatron", (Encoder.STAGE,), ("1F1B", "Interleaved1F1B"), (Layers.EVEN, Layers.FIRST_LAST),
+                 (0, 1), False, (True,))
+PYTORCH = Space("pytorch", (), ("1F1B",), (Layers.EVEN,), (0, 2, 3), True, (False, True), max_pp=1)
 BASELINES = (MEGATRON, PYTORCH)
+SPACES = {s.name: s for s in (DFLOP, *BASELINES)}
+
+
+def prove_dominated(space: Space, plan: Plan) -> str:
+    """Why another plan of ``space``, alike but for its memory options, is never slower and never
+    bigger ('' when none is): the rules ``variants`` applies."""
+    if plan.fp32_grads and False in space.fp32_grads:
+        return "bf16 gradient buffers move half the bytes and hold half the memory"
+    if plan.zero == 0 and 1 in space.zero:
+        return ("ZeRO-1's reduce-scatter plus weight all-gather moves no more than DDP's all-reduce "
+                "(weights are no wider than gradients) and shards the optimizer")
+    if plan.zero == 0 and 2 in space.zero and plan.microbatches == 1 and plan.colocated and plan.llm.pp == 1:
+        return "with one microbatch ZeRO-2 moves what DDP moves and shards gradients and optimizer"
+    if plan.zero == 1 and 2 in space.zero and plan.microbatches == 1 and plan.colocated and plan.llm.pp == 1:
+        return "with one microbatch ZeRO-2 moves what ZeRO-1 moves and shards gradients too"
+    return ""
+
+
+def variants(space: Space, base: Plan, recompute: tuple[Recompute, ...]) -> list[list[Plan]]:
+    """The memory options of ``base`` worth evaluating: one list per (ZeRO, HSDP, gradient width),
+    each its recomputation options from the least (fastest) to the most (smallest)."""
+    single = base.colocated and base.llm.pp == 1
+    out = []
+    for zero in space.zero:
+        if zero >= 2 and not single:
+            continue
+        for hsdp in ((False, True) if zero == 3 and space.hsdp else (False,)):
+            for fp32 in space.fp32_grads:
+                plan = replace(base, zero=zero, hsdp=hsdp, fp32_grads=fp32)
+                if not prove_dominated(space, plan):
+                    out.append([replace(plan, recompute=r) for r in recompute])
+    return out
 
 
 def _tp_options(per_node: int, *heads: int) -> list[int]:
@@ -59,6 +131,8 @@ class SpaceBuilder:
         self.enc_tp = _tp_options(self.per_node, model.encoder.heads)
         self.mean_tokens = float(problem.data.llm_tokens.mean())
         self.mean_tiles = float(problem.data.tiles.mean())
+        allowed = problem.training.recompute
+        self.recompute = tuple(Recompute) if allowed == "auto" else (Recompute(allowed),)
         self._splits: dict[tuple, tuple[int, ...]] = {}
 
     def microbatches(self, dp: int, pp: int, interleaved: bool) -> list[int]:
@@ -71,70 +145,107 @@ class SpaceBuilder:
         c = self.p.cost.stage_cost(spec, shape)
         return float(c.fwd + c.bwd)
 
-    def llm_split(self, tp: int, stages: int, bin_samples: float, encoder_tp: int | None) -> tuple[int, ...]:
-        """Layers per LLM stage balancing time at the average bin; the first stage also runs the
+    def _split(self, layers: int, per_layer: float, extra: list[float], how: Layers) -> tuple[int, ...]:
+        stages = len(extra)
+        if how is Layers.EVEN or stages == 1:
+            return even_split(layers, stages)
+        if how is Layers.BALANCED:
+            return balanced_split(layers, per_layer, extra)
+        best, best_cost = even_split(layers, stages), float("inf")
+        middle = stages - 2
+        for first in range(1, layers - middle):
+            for last in range(1, layers - first - middle + 1):
+                rest = layers - first - last
+                if (middle == 0 and rest) or (middle and (rest < middle or rest % middle)):
+                    continue
+                split = (first,) + (rest // middle,) * middle + (last,) if middle else (first, last)
+                cost = max(n * per_layer + e for n, e in zip(split, extra))
+                if cost < best_cost:
+                    best, best_cost = split, cost
+        return best
+
+    def llm_split(self, tp: int, stages: int, bin_samples: float, encoder_tp: int | None,
+                  how: Layers) -> tuple[int, ...]:
+        """Layers per LLM stage by ``how``, costed at the average bin; the first stage also runs the
         encoder when ``encoder_tp`` is given (colocated)."""
-        key = ("llm", tp, stages, round(bin_samples, 3), encoder_tp)
+        key = ("llm", tp, stages, round(bin_samples, 3), encoder_tp, how)
         if key not in self._splits:
             model = self.p.model
             tokens = bin_samples * self.mean_tokens
             shape = WorkShape(bin_samples, bin_samples * self.mean_tiles, tokens, tokens * self.mean_tokens)
             layer = self._time(StageSpec("llm", 1, tp), shape)
-            head = self._time(StageSpec("llm", 1, tp, last=True), shape) - layer
             extra = [0.0] * stages
-            extra[-1] += head
+            extra[-1] += self._time(StageSpec("llm", 1, tp, last=True), shape) - layer
             if encoder_tp is not None:
                 enc = StageSpec("encoder", model.encoder.layers, encoder_tp, first=True, last=True)
                 extra[0] += self._time(enc, WorkShape(bin_samples, bin_samples * self.mean_tiles))
-            self._splits[key] = balanced_split(model.llm.layers, layer, extra)
+            self._splits[key] = self._split(model.llm.layers, layer, extra, how)
         return self._splits[key]
 
-    def encoder_split(self, tp: int, stages: int, chunk_tiles: float) -> tuple[int, ...]:
-        key = ("encoder", tp, stages, round(chunk_tiles, 3))
+    def encoder_split(self, tp: int, stages: int, chunk_tiles: float, how: Layers) -> tuple[int, ...]:
+        key = ("encoder", tp, stages, round(chunk_tiles, 3), how)
         if key not in self._splits:
             shape = WorkShape(1, chunk_tiles)
             layer = self._time(StageSpec("encoder", 1, tp), shape)
             extra = [0.0] * stages
             extra[0] += self._time(StageSpec("encoder", 1, tp, first=True), shape) - layer
             extra[-1] += self._time(StageSpec("encoder", 1, tp, last=True), shape) - layer
-            self._splits[key] = balanced_split(self.p.model.encoder.layers, layer, extra)
+            self._splits[key] = self._split(self.p.model.encoder.layers, layer, extra, how)
         return self._splits[key]
+
+    def _splits_of(self, space: Space, split: Callable[[Layers], tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """The distinct splits a space allows, each as ``layers_per_stage`` (empty: even)."""
+        out = []
+        for how in space.layers:
+            s = split(how)
+            s = () if s == split(Layers.EVEN) else s
+            if s not in out:
+                out.append(s)
+        return out
 
     def _pp_options(self, layers: int, options: tuple[int, ...], virtual: int = 1) -> list[int]:
         return [p for p in options if p * virtual <= layers]
 
     def plans(self, space: Space, placement: Placement,
-              skip_split: Callable[[int], bool] | None = None) -> Iterator[Plan]:
-        """Plans of ``space`` with one placement; ``skip_split(encoder_gpus)`` drops whole GPU splits."""
+              skip_split: Callable[[int], bool] | None = None) -> Iterator[list[Plan]]:
+        """Plans of ``space`` with one placement, as lists alike but for recomputation (least
+        first); ``skip_split(encoder_gpus)`` drops whole GPU splits of ``Encoder.FREE`` layouts."""
         placement = Placement(placement)
-        if placement not in space.placements:
-            return
-        if space.pure_dp:
-            for m in self.microbatches(self.n, 1, False):
-                yield Plan(encoder=ModulePlan(dp=self.n), llm=ModulePlan(dp=self.n), placement=Placement.COLOCATED,
-                           microbatches=m, schedule="1F1B", zero=space.zero)
-        elif placement is Placement.COLOCATED:
-            yield from self._colocated(space)
+        if placement is Placement.COLOCATED:
+            bases = self._colocated(space)
         else:
-            yield from self._disaggregated(space, skip_split or (lambda e: False))
+            bases = self._disaggregated(space, skip_split or (lambda e: False))
+        for base in bases:
+            yield from variants(space, base, self.recompute)
+
+    def _schedules(self, space: Space, ranks: int) -> Iterator[tuple[str, int]]:
+        """(schedule, virtual stages) of a pipeline of ``ranks`` ranks; one rank runs only 1F1B."""
+        if ranks == 1:
+            yield "1F1B", 1
+            return
+        for s in space.schedules:
+            yield s, 2 if s.lower().startswith("interleaved") else 1
 
     def _colocated(self, space: Space) -> Iterator[Plan]:
         model = self.p.model
         for tp in self.llm_tp:
             if model.encoder.heads % tp:
                 continue
-            for schedule in space.schedules:
-                virtual = 2 if schedule == "Interleaved1F1B" else 1
-                for pp in self._pp_options(model.llm.layers, PP_OPTIONS, virtual):
-                    if self.n % (tp * pp) or (pp == 1 and schedule != "1F1B"):
-                        continue  # one stage: every schedule is plain gradient accumulation
-                    dp = self.n // (tp * pp)
+            for pp in self._pp_options(model.llm.layers, PP_OPTIONS):
+                if self.n % (tp * pp) or pp > space.max_pp:
+                    continue
+                dp = self.n // (tp * pp)
+                for schedule, virtual in self._schedules(space, pp):
+                    if pp * virtual > model.llm.layers:
+                        continue
                     for m in self.microbatches(dp, pp, virtual > 1):
-                        split = (self.llm_split(tp, pp * virtual, self.batch / (dp * m), tp)
-                                 if space.balanced_layers else ())
-                        yield Plan(encoder=ModulePlan(tp=tp, dp=dp), llm=ModulePlan(tp=tp, pp=pp, dp=dp,
-                                   layers_per_stage=split), placement=Placement.COLOCATED, microbatches=m,
-                                   schedule=schedule, virtual_stages=virtual, zero=space.zero)
+                        bin_samples = self.batch / (dp * m)
+                        for split in self._splits_of(space, lambda how: self.llm_split(
+                                tp, pp * virtual, bin_samples, tp, how)):
+                            yield Plan(encoder=ModulePlan(tp=tp, dp=dp),
+                                       llm=ModulePlan(tp=tp, pp=pp, dp=dp, layers_per_stage=split),
+                                       placement=Placement.COLOCATED, microbatches=m, schedule=schedule,
+                                       virtual_stages=virtual)
 
     def encoder_gpu_options(self, llm_tp: int) -> list[int]:
         """GPUs the encoder may get: any count on small clusters, whole nodes from 4 nodes up, and
@@ -144,30 +255,48 @@ class SpaceBuilder:
             quantum = (self.n // 32) // self.per_node * self.per_node
         return [e for e in range(quantum, self.n, quantum) if e % llm_tp == 0]
 
-    def _disaggregated(self, space: Space, skip_split: Callable[[int], bool]) -> Iterator[Plan]:
-        model = self.p.model
-        schedules = [s for s in space.schedules if s != "Interleaved1F1B"]
+    def _layouts(self, space: Space, skip_split: Callable[[int], bool]) -> Iterator[tuple[int, int, int, int, int, int]]:
+        """(llm tp, pp, dp, encoder tp, pp, dp) of every disaggregated layout the space allows."""
+        model, seen = self.p.model, set()
         for tp in self.llm_tp:
-            for enc_gpus in self.encoder_gpu_options(tp):
-                if skip_split(enc_gpus):
+            for pp in self._pp_options(model.llm.layers, PP_OPTIONS):
+                if pp > space.max_pp:
                     continue
-                llm_gpus = self.n - enc_gpus
-                for pp in self._pp_options(model.llm.layers, PP_OPTIONS):
-                    if llm_gpus % (tp * pp):
+                if Encoder.STAGE in space.encoder:  # Megatron: per replica, epp x etp + pp x tp GPUs
+                    for etp in (t for t in self.enc_tp if t <= tp):
+                        for epp in self._pp_options(model.encoder.layers, ENCODER_PP_OPTIONS):
+                            per_replica = epp * etp + pp * tp
+                            dp = self.n // per_replica
+                            if self.n % per_replica == 0 and (dp * epp * etp) % tp == 0:
+                                seen.add(key := (tp, pp, dp, etp, epp, dp))
+                                yield key
+                if Encoder.FREE not in space.encoder:
+                    continue
+                for enc_gpus in self.encoder_gpu_options(tp):
+                    if (self.n - enc_gpus) % (tp * pp) or skip_split(enc_gpus):
                         continue
-                    dp = llm_gpus // (tp * pp)
+                    dp = (self.n - enc_gpus) // (tp * pp)
                     for etp in self.enc_tp:
                         for epp in self._pp_options(model.encoder.layers, ENCODER_PP_OPTIONS):
-                            if enc_gpus % (etp * epp):
-                                continue
-                            edp = enc_gpus // (etp * epp)
-                            for m in self.microbatches(dp, pp, False):
-                                bin_samples = self.batch / (dp * m)
-                                split = self.llm_split(tp, pp, bin_samples, None) if space.balanced_layers else ()
-                                esplit = (self.encoder_split(etp, epp, self.batch * self.mean_tiles / (edp * m))
-                                          if space.balanced_layers else ())
-                                for schedule in schedules:
-                                    yield Plan(encoder=ModulePlan(tp=etp, pp=epp, dp=edp, layers_per_stage=esplit),
-                                               llm=ModulePlan(tp=tp, pp=pp, dp=dp, layers_per_stage=split),
-                                               placement=Placement.DISAGGREGATED, microbatches=m, schedule=schedule,
-                                               zero=space.zero)
+                            if enc_gpus % (etp * epp) == 0:
+                                key = (tp, pp, dp, etp, epp, enc_gpus // (etp * epp))
+                                if key not in seen:
+                                    yield key
+
+    def _disaggregated(self, space: Space, skip_split: Callable[[int], bool]) -> Iterator[Plan]:
+        if not space.encoder:
+            return
+        for tp, pp, dp, etp, epp, edp in self._layouts(space, skip_split):
+            for m in self.microbatches(dp, pp, False):
+                bin_samples = self.batch / (dp * m)
+                chunk = self.batch * self.mean_tiles / (edp * m)
+                llm = self._splits_of(space, lambda how: self.llm_split(tp, pp, bin_samples, None, how))
+                enc = self._splits_of(space, lambda how: self.encoder_split(etp, epp, chunk, how))
+                for schedule, _ in self._schedules(space, pp + epp):
+                    if schedule.lower().startswith("interleaved"):
+                        continue  # virtual stages need colocated placement
+                    for split in llm:
+                        for esplit in enc:
+                            yield Plan(encoder=ModulePlan(tp=etp, pp=epp, dp=edp, layers_per_stage=esplit),
+                                       llm=ModulePlan(tp=tp, pp=pp, dp=dp, layers_per_stage=split),
+                                       placement=Placement.DISAGGREGATED, microbatches=m, schedule=schedule)

@@ -1,6 +1,9 @@
 """What-if studies, as functions a notebook calls: each returns one tidy record per point.
 
-- ``gpu_scaling``: dflop vs the best data-blind baseline as the cluster grows;
+Every record carries step times with their MFU and HFU, the strongest
+baseline (space x batching rule) and the speedup's decomposition.
+
+- ``gpu_scaling``: dflop vs the strongest baseline as the cluster grows;
 - ``mix_shift``: as the share of video (or any modality) in the data changes;
 - ``model_pairs``: as the encoder/LLM compute ratio changes.
 
@@ -16,7 +19,8 @@ from dflop.cost.analytical import AnalyticalCostModel
 from dflop.cost.system import System
 from dflop.cost.flops import llm_layer_flops, vit_layer_flops
 from dflop.plan.evaluate import PlanningProblem
-from dflop.plan.search import OptimizeResult, optimize
+from dflop.plan.report import OptimizeResult, score
+from dflop.plan.search import optimize
 from dflop.specs import presets
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.workload.mixes import MixSpec, mix, synthesize, with_shares
@@ -28,22 +32,25 @@ def _problem(encoder: str, llm: str, gpus: int, spec: MixSpec, samples_per_gpu: 
     per_node = min(8, gpus)
     cluster = ClusterSpec(hardware=presets.hardware(hardware), nodes=gpus // per_node, gpus_per_node=per_node)
     batch = samples_per_gpu * gpus
-    training = TrainingSpec(global_batch=batch, recompute="full")
+    training = TrainingSpec(global_batch=batch)
     data = synthesize(spec, 20000, model.encoder, seed)
     system = System(model, cluster, training, AnalyticalCostModel(model, cluster.hardware, training))
     return PlanningProblem(system, data, seed), batch
 
 
 def _record(result: OptimizeResult, **point: Any) -> dict[str, Any]:
-    best, base = result.best, result.baseline if result.baselines else None
+    best, strongest = result.best, result.strongest
     n = best.n
-    out = {**point, "dflop_step_s": best.mean, "dflop_plan": best.plan.describe(),
+    out = {**point, "dflop_step_s": score(best), "dflop_plan": best.plan.describe(),
            "dflop_placement": best.plan.placement, "dflop_bubble": sum(best.bubble) / n,
-           "dflop_idle": sum(best.idle) / n, "ideal_step_s": result.ideal_s, "search_s": result.seconds}
-    if base is not None:
-        out.update({"baseline_step_s": base.mean, "baseline_plan": base.plan.describe(),
+           "dflop_idle": sum(best.idle) / n, "dflop_mfu": sum(best.mfu) / n, "dflop_hfu": sum(best.hfu) / n,
+           "ideal_step_s": result.ideal_s, "search_s": result.seconds}
+    if strongest is not None:
+        base = strongest.best
+        out.update({"baseline": strongest.name, "baseline_step_s": score(base), "baseline_plan": base.plan.describe(),
                     "baseline_bubble": sum(base.bubble) / base.n, "baseline_idle": sum(base.idle) / base.n,
-                    "speedup": result.speedup})
+                    "baseline_mfu": sum(base.mfu) / base.n, "baseline_hfu": sum(base.hfu) / base.n,
+                    "speedup": result.speedup, **(result.decomposition or {})})
     return out
 
 

@@ -1,11 +1,12 @@
-"""Per-batch numbers of a step: durations, transfers, all-reduces and memory.
+"""Per-batch numbers of a step: durations, transfers, collectives and memory.
 
 Given a template and one global batch partitioned into (LLM replica x
 microbatch) bins, every template op gets an array (one value per replica) of
-integer nanoseconds from the cost model, and every dependency its transfer
-time over the link between the two GPUs groups. Time is kept in integer
-nanoseconds so that every evaluator of the same step (the vectorised one, the
-reference one, SimPy) computes exactly the same numbers.
+integer nanoseconds from the cost model, every dependency its transfer time
+over the link between the two GPU groups, and every data-parallel collective
+(``collectives.py``) its time and overlap (``dpcomm.py``). Time is kept in
+integer nanoseconds so that every evaluator of the same step (the vectorised
+one, the reference one, SimPy) computes exactly the same numbers.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflop.cost.comm import allgather_time, p2p_time, ring_allreduce_time
-from dflop.cost.memory import stage_params, state_bytes
+from dflop.cost.comm import p2p_time
+from dflop.cost.memory import layer_params, stage_params, state_bytes
 from dflop.cost.protocol import StageCost, StageSpec, WorkShape
 from dflop.cost.system import System
 from dflop.errors import DflopError
 from dflop.program.actions import Kind
+from dflop.program.collectives import group_collectives
+from dflop.program.dpcomm import NS, TimedCollective, dp_gpus, fsdp_op, group_comm, reduction, shard_degree, to_ns
 from dflop.program.routing import BridgeRoutes, bridge_routes, encoder_replicas
 from dflop.program.template import Template
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
@@ -27,11 +30,8 @@ from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Plan, place
 from dflop.workload.sample import SampleTable
 
-NS = 1e9
-
-
-def to_ns(seconds: np.ndarray | float) -> np.ndarray:
-    return np.rint(np.asarray(seconds, dtype=float) * NS).astype(np.int64)
+__all__ = ["NS", "to_ns", "StepTiming", "StepBuilder", "BinShapes", "bin_shapes", "group_state",
+           "stage_times_timing", "stage_param_count"]
 
 
 @dataclass
@@ -43,17 +43,24 @@ class StepTiming:
     dep_comm: list[list[np.ndarray]]
     bridge: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]
     """Per op: (source replicas, destination replicas, ns) of its bridge transfers."""
-    allreduce: np.ndarray
-    """Per group: gradient all-reduce over data parallelism, ns."""
+    collectives: list[TimedCollective]
+    """Per data-parallel collective, in ``group_collectives`` order: its ns and lag."""
     alloc: list[np.ndarray]
     """Per op: activation bytes allocated when it starts (forwards)."""
     free: list[np.ndarray]
     """Per op: activation bytes released when it ends (B, or W when backward is split)."""
+    transient: list[np.ndarray]
+    """Per op: bytes held only while it runs (the logits' gradient, a recomputed layer)."""
     static_bytes: np.ndarray
     """Per group: weights, gradients and optimizer state per GPU."""
     capacity: float
     """Usable memory per GPU."""
     flops: list[np.ndarray]
+    """Per op: model FLOPs per GPU (for MFU)."""
+    hw_flops: list[np.ndarray]
+    """Per op: FLOPs executed per GPU, recomputation included (for HFU)."""
+    overlap: list[np.ndarray]
+    """Per op: ns of communication running beside it inside the op (FSDP's gathers and reductions)."""
     info: list[dict[str, np.ndarray]]
     gpus: list[list[tuple[int, ...]]]
     """Per group, per replica: GPU ids."""
@@ -74,8 +81,8 @@ def stage_times_timing(template: Template, fwd: np.ndarray, bwd_input: np.ndarra
         dep_comm.append([(0 if template.ops[d].group == op.group or a.kind is Kind.W else link) * ones
                          for d in op.deps])
     n, groups = len(template.ops), len(template.groups)
-    return StepTiming(template, duration, dep_comm, [None] * n, np.zeros(groups, dtype=np.int64),
-                      [zeros] * n, [zeros] * n, np.zeros(groups), float("inf"), [zeros] * n,
+    return StepTiming(template, duration, dep_comm, [None] * n, [], [zeros] * n, [zeros] * n, [zeros] * n,
+                      np.zeros(groups), float("inf"), [zeros] * n, [zeros] * n, [zeros.astype(np.int64)] * n,
                       [{} for _ in range(n)], [[(g.rank,)] for g in template.groups])
 
 
@@ -113,13 +120,20 @@ def stage_param_count(model: MLLMSpec, layers: tuple[int, ...], module: str, sta
 
 
 def group_state(plan: Plan, model: MLLMSpec, training: TrainingSpec, layers: dict[str, tuple[int, ...]],
-                module: str, stages: tuple[int, ...], tp: int) -> tuple[float, float]:
+                module: str, stages: tuple[int, ...], tp: int, per_node: int) -> tuple[float, float]:
     """(parameters, model-state bytes per GPU) of one pipeline rank holding ``stages``."""
     colocated = plan.colocated
     params = sum(stage_param_count(model, layers[module], module, s, colocated) for s in stages)
-    layer = max(stage_params(model, StageSpec(module, 1)), 1)
+    held = sum(layers[module][s] for s in stages) * layer_params(model, module)
+    modules = [module]
+    if module == "llm" and colocated and 0 in stages:
+        modules.append("encoder")
+        held += model.encoder.layers * layer_params(model, "encoder")
+    largest = max(layer_params(model, m) for m in modules)
     dp = plan.module(module).dp
-    return params, float(sum(state_bytes(params, tp, dp, plan.zero, training, layer)))
+    shards = shard_degree(plan, per_node, dp, tp) if plan.zero == 3 else dp
+    return params, float(sum(state_bytes(params, tp, shards, plan.zero, training, largest,
+                                         fp32_grads=plan.fp32_grads, root_params=params - held)))
 
 
 def _link(cluster: ClusterSpec, a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, float]:
@@ -159,7 +173,8 @@ class StepBuilder:
             j, r = np.meshgrid(np.arange(plan.encoder.dp), np.arange(plan.llm.dp), indexing="ij")
             bw, lat = self._links(enc, llm, j.ravel(), r.ravel())
             self.bridge_links = (bw.reshape(j.shape), lat.reshape(j.shape))
-        self.static_bytes, self.allreduce = self._state()
+        self.static_bytes, self.comm = self._state()
+        self.specs = group_collectives(template)
 
     def _links(self, a: int, b: int, xa: np.ndarray, xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per pair of replicas: bandwidth of a TP group's parallel links, and latency."""
@@ -168,23 +183,18 @@ class StepBuilder:
         return np.array([p[0] * tp for p in pairs]), np.array([p[1] for p in pairs])
 
     def stage_spec(self, module: str, stage: int, tp: int) -> StageSpec:
-        return StageSpec.of(module, self.layers[module], stage, tp)
+        return StageSpec.of(module, self.layers[module], stage, tp, self.plan.recompute)
 
-    def _state(self) -> tuple[np.ndarray, np.ndarray]:
-        plan = self.plan
+    def _state(self) -> tuple[np.ndarray, list]:
+        """Model state per GPU and the data-parallel communication of every group."""
         static = np.zeros(len(self.t.groups))
-        allreduce = np.zeros(len(self.t.groups), dtype=np.int64)
+        comm = []
         for g in self.t.groups:
-            params, static[g.index] = group_state(plan, self.model, self.training, self.layers, g.module,
-                                                  g.stages, g.tp)
-            dp = plan.module(g.module).dp
-            if plan.zero == 3 or dp == 1:
-                continue
-            everyone = tuple(x for reps in self.gpus[g.index] for x in reps)
-            bw, lat = _link(self.cluster, everyone, everyone)
-            nbytes = params / g.tp * self.training.grad_bytes
-            allreduce[g.index] = to_ns(ring_allreduce_time(nbytes, dp, bw, lat))
-        return static, allreduce
+            params, static[g.index] = group_state(self.plan, self.model, self.training, self.layers, g.module,
+                                                  g.stages, g.tp, self.cluster.gpus_per_node)
+            comm.append(group_comm(self.plan, self.model, self.training, self.cluster, params, g.tp,
+                                   dp_gpus(self.gpus[g.index])))
+        return static, comm
 
     def timing(self, batch: SampleTable, assignment: np.ndarray) -> StepTiming:
         """Numbers of one step on ``batch``; ``assignment[i]`` is sample i's bin."""
@@ -210,6 +220,7 @@ class _Costing:
             raise DflopError(f"every sample of the batch needs a bin in 0..{plan.bins - 1}")
         self.bins = bin_shapes(batch, assignment, plan.llm.dp, m)
         self.batch, self.assignment = batch, assignment
+        self._links: dict[tuple[int, int], np.ndarray] = {}
         if not builder.t.colocated:
             self.chunk = encoder_replicas(batch.tiles, assignment, m, plan.encoder.dp)
             n = plan.encoder.dp * m
@@ -219,73 +230,123 @@ class _Costing:
             self.enc_shape = WorkShape(samples=enc_samples.reshape(plan.encoder.dp, m),
                                        tiles=enc_tiles.reshape(plan.encoder.dp, m))
 
-    def stage_cost(self, module: str, stage: int, tp: int) -> StageCost:
-        """Cost of a module-local stage on every (replica, microbatch)."""
+    def stage_parts(self, module: str, stage: int, tp: int) -> dict[str, StageCost]:
+        """Cost of a module-local stage on every (replica, microbatch), by module (a colocated LLM
+        stage 0 also runs the encoder)."""
         b = self.b
         if module == "encoder":
-            return b.cost.stage_cost(b.stage_spec("encoder", stage, tp), self.enc_shape)
-        cost = b.cost.stage_cost(b.stage_spec("llm", stage, tp), self.bins.shape())
+            return {"encoder": b.cost.stage_cost(b.stage_spec("encoder", stage, tp), self.enc_shape)}
+        parts = {"llm": b.cost.stage_cost(b.stage_spec("llm", stage, tp), self.bins.shape())}
         if stage == 0 and b.t.colocated:
-            enc = StageSpec("encoder", b.model.encoder.layers, tp, first=True, last=True)
-            cost = cost + b.cost.stage_cost(enc, WorkShape(self.bins.samples, self.bins.tiles))
-        if b.plan.zero == 3:
-            cost = self._fsdp(cost, stage, tp)
-        return cost
+            enc = StageSpec("encoder", b.model.encoder.layers, tp, first=True, last=True, recompute=b.plan.recompute)
+            parts["encoder"] = b.cost.stage_cost(enc, WorkShape(self.bins.samples, self.bins.tiles))
+        return parts
 
-    def _fsdp(self, cost: StageCost, stage: int, tp: int) -> StageCost:
-        """FSDP gathers the weights before forward and again before backward and reduce-scatters
-        gradients after; prefetching hides it behind compute when compute is longer."""
-        b = self.b
-        hw, dp = b.cluster.hardware, b.plan.llm.dp
-        params = stage_param_count(b.model, b.layers["llm"], "llm", stage, b.t.colocated)
-        gather = float(allgather_time(params / tp * b.training.weight_bytes,
-                                      dp, hw.inter_node_bandwidth, hw.inter_node_latency))
-        nonempty = np.asarray(cost.fwd) > 0
-        fwd = np.where(nonempty, np.maximum(cost.fwd, gather), 0.0)
-        bwd = np.where(nonempty, np.maximum(cost.bwd_input + cost.bwd_weight, 2 * gather), 0.0)
-        return StageCost(fwd, bwd * 0.5, bwd * 0.5, cost.act_bytes, cost.flops)
-
-    def boundary_bytes(self, module: str, k: int) -> np.ndarray:
-        """Activation (or gradient) bytes between two stages of a module, per replica."""
+    def boundary_bytes(self, module: str) -> np.ndarray:
+        """Activation (or gradient) bytes between two stages of a module, per (replica, microbatch)."""
         b = self.b.training.activation_bytes
         if module == "encoder":
             enc = self.b.model.encoder
-            return self.enc_shape.tiles[:, k] * enc.patches_per_tile * enc.hidden * b
-        return self.bins.tokens[:, k] * self.b.model.llm.hidden * b
+            return self.enc_shape.tiles * enc.patches_per_tile * enc.hidden * b
+        return self.bins.tokens * self.b.model.llm.hidden * b
+
+    def _tables(self, g) -> dict[int, dict[str, dict[str, np.ndarray]]]:
+        """Per stage of group ``g``: every cost field as a (replicas, microbatches) table, for the
+        whole stage ('all') and, where FSDP needs them apart, by module."""
+        fields = ("fwd", "bwd", "bwd_input", "bwd_weight", "act_bytes", "transient_bytes", "flops",
+                  "recompute_flops")
+        out = {}
+        for s in g.stages:
+            parts = self.stage_parts(g.module, s, g.tp)
+            whole = sum(parts.values(), StageCost(0.0, 0.0, 0.0, 0.0, 0.0))
+            named = {"all": whole, **(parts if self.b.comm[g.index] and self.b.comm[g.index].units else {})}
+            out[s] = {key: {f: np.broadcast_to(np.asarray(getattr(c, f), dtype=float), (g.replicas, self.b.m))
+                            for f in fields} for key, c in named.items()}
+        return out
+
+    def _group(self, g, ops: list, slowdown: float) -> dict[str, np.ndarray]:
+        """Per-op fields of one group's ops, as (ops, replicas) arrays, filled stage by stage and kind
+        by kind (the op's microbatch picks the table's column)."""
+        tables = self._tables(g)
+        n = len(ops)
+        out = {f: np.zeros((n, g.replicas)) for f in ("seconds", "act", "transient", "flops", "recompute", "overlap")}
+        out["exposed"] = np.zeros(n)
+        stage = np.array([op.stage for op in ops])
+        kind = np.array([op.action.kind.value for op in ops])
+        mb = np.array([op.action.microbatch for op in ops])
+        units = self.b.comm[g.index].units if self.b.comm[g.index] is not None else None
+        for s, tab in tables.items():
+            c = tab["all"]
+            for k, field in ((Kind.F, "fwd"), (Kind.B, "bwd"), (Kind.I, "bwd_input"), (Kind.W, "bwd_weight")):
+                rows = np.flatnonzero((stage == s) & (kind == k.value))
+                if not len(rows):
+                    continue
+                cols = mb[rows]
+                out["seconds"][rows] = c[field][:, cols].T
+                out["act"][rows] = c["act_bytes"][:, cols].T
+                out["flops"][rows] = c["flops"][:, cols].T * (2.0 if k is Kind.B else 1.0)
+                if k in (Kind.B, Kind.I):
+                    out["transient"][rows] = c["transient_bytes"][:, cols].T
+                    out["recompute"][rows] = c["recompute_flops"][:, cols].T
+                if units is not None and k in (Kind.F, Kind.B):
+                    phase = "fwd" if k is Kind.F else "bwd"
+                    compute = {name: part[phase][:, cols].T for name, part in tab.items() if name != "all"}
+                    exposed, out["seconds"][rows], out["overlap"][rows] = fsdp_op(k, units, compute, slowdown)
+                    out["exposed"][rows] = exposed
+        return out
 
     def build(self) -> StepTiming:
         t, m = self.b.t, self.b.m
-        costs = {(g.index, s): self.stage_cost(g.module, s, g.tp) for g in t.groups for s in g.stages}
-        duration, alloc, free, flops, info, dep_comm, bridge = [], [], [], [], [], [], []
-        for op in t.ops:
-            g = t.groups[op.group]
-            c, k, kind = costs[(g.index, op.stage)], op.action.microbatch, op.action.kind
-            seconds = {Kind.F: c.fwd, Kind.B: c.bwd_input + c.bwd_weight, Kind.I: c.bwd_input,
-                       Kind.W: c.bwd_weight}[kind]
-            duration.append(to_ns(np.broadcast_to(seconds, (g.replicas, m))[:, k]))
-            act = np.broadcast_to(c.act_bytes, (g.replicas, m))[:, k]
-            alloc.append(act if kind is Kind.F else np.zeros(g.replicas))
-            free.append(act if kind in (Kind.B, Kind.W) else np.zeros(g.replicas))
-            fl = np.broadcast_to(c.flops, (g.replicas, m))[:, k]
-            flops.append(fl if kind is Kind.F else fl * (2.0 if kind is Kind.B else 1.0))
-            info.append(self._info(g.module, k))
-            dep_comm.append([self._dep_comm(op, t.ops[d]) for d in op.deps])
-            bridge.append(self._bridge(op) if op.bridge >= 0 else None)
-        return StepTiming(t, duration, dep_comm, bridge, self.b.allreduce, alloc, free, self.b.static_bytes,
-                          self.b.cluster.hardware.usable_memory_bytes, flops, info, self.b.gpus)
+        slowdown = self.b.cluster.hardware.comm_slowdown
+        n = len(t.ops)
+        fields: dict[str, list] = {f: [None] * n for f in ("duration", "alloc", "free", "transient", "flops",
+                                                           "hw_flops", "overlap", "info")}
+        exposed: dict[int, float] = {}
+        for g in t.groups:
+            ops = [op for op in t.ops if op.group == g.index]
+            got = self._group(g, ops, slowdown)
+            ns, overlap = to_ns(got["seconds"]), to_ns(got["overlap"])
+            info = self._info_table(g.module)
+            none = np.zeros(g.replicas)
+            for row, op in enumerate(ops):
+                i, kind, k = op.index, op.action.kind, op.action.microbatch
+                fields["duration"][i], fields["overlap"][i] = ns[row], overlap[row]
+                act = got["act"][row]
+                fields["alloc"][i] = act if kind is Kind.F else none
+                fields["free"][i] = act if kind in (Kind.B, Kind.W) else none
+                fields["transient"][i] = got["transient"][row]
+                fields["flops"][i] = got["flops"][row]
+                fields["hw_flops"][i] = got["flops"][row] + got["recompute"][row]
+                fields["info"][i] = {name: v[:, k] for name, v in info.items()}
+                exposed[i] = float(got["exposed"][row])
+        dep_comm = [[self._dep_comm(op, t.ops[d]) for d in op.deps] for op in t.ops]
+        bridge = [self._bridge(op) if op.bridge >= 0 else None for op in t.ops]
+        collectives = []
+        for spec in self.b.specs:
+            if spec.kind is Kind.REDUCE_GRAD:
+                collectives.append(reduction(spec, self.b.comm[spec.group], fields["duration"], slowdown))
+            else:
+                lag = np.zeros(t.groups[spec.group].replicas, dtype=np.int64)
+                collectives.append(TimedCollective(spec.kind, spec.group, spec.op, int(to_ns(exposed[spec.op])), lag))
+        f = fields
+        return StepTiming(t, f["duration"], dep_comm, bridge, collectives, f["alloc"], f["free"],
+                          f["transient"], self.b.static_bytes, self.b.cluster.hardware.usable_memory_bytes,
+                          f["flops"], f["hw_flops"], f["overlap"], f["info"], self.b.gpus)
 
-    def _info(self, module: str, k: int) -> dict[str, np.ndarray]:
+    def _info_table(self, module: str) -> dict[str, np.ndarray]:
         if module == "encoder":
-            return {"samples": self.enc_shape.samples[:, k], "tiles": self.enc_shape.tiles[:, k]}
-        return {"samples": self.bins.samples[:, k], "tokens": self.bins.tokens[:, k],
-                "tiles": self.bins.tiles[:, k]}
+            return {"samples": self.enc_shape.samples, "tiles": self.enc_shape.tiles}
+        return {"samples": self.bins.samples, "tokens": self.bins.tokens, "tiles": self.bins.tiles}
 
     def _dep_comm(self, op, dep) -> np.ndarray:
         if dep.group == op.group or op.action.kind is Kind.W:
             return np.zeros(self.b.t.groups[op.group].replicas, dtype=np.int64)
-        bw, lat = self.b.links[(dep.group, op.group)]
-        module = self.b.t.groups[op.group].module
-        return to_ns(p2p_time(self.boundary_bytes(module, op.action.microbatch), bw, lat))
+        key = (dep.group, op.group)
+        if key not in self._links:
+            bw, lat = self.b.links[key]
+            module = self.b.t.groups[op.group].module
+            self._links[key] = to_ns(p2p_time(self.boundary_bytes(module), bw[:, None], lat[:, None]))
+        return self._links[key][:, op.action.microbatch]
 
     def _bridge(self, op) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Image embeddings from encoder replica j to LLM replica r (and gradients back)."""

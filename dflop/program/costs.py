@@ -2,7 +2,8 @@
 
 The graph says what runs where and in which order; these arrays say how long
 each node takes (a compute node's time, a send's transfer on its link, a
-collective's time), how much memory it allocates and frees, and what it
+collective's time), how long after its anchor's start an overlapping node
+starts (``lag``), how much memory it allocates, holds and frees, and what it
 computes (FLOPs, samples, tokens), all taken from the step's ``StepTiming``
 (the cost model's numbers per template op and replica). A runtime that
 measures instead of predicting uses the same graph without these.
@@ -38,13 +39,22 @@ class StepCosts:
     """Per worker: weights, gradients and optimizer state per GPU."""
     capacity: float
     """Usable memory per GPU."""
+    lag: np.ndarray
+    """Per node, ns: how long after its anchor starts a node with an anchor starts."""
+    transient: np.ndarray
+    """Per node: bytes held only while it runs (on top of ``alloc``)."""
+    hw_flops: np.ndarray
+    """Per node: FLOPs executed, recomputation included (for HFU)."""
+    overlap: np.ndarray
+    """Per compute node, ns: communication running beside it inside the node (FSDP's per-layer
+    gathers and reductions), drawn on the communication thread."""
 
 
 def graph_costs(graph: StepGraph, timing: StepTiming) -> StepCosts:
     t, nodes, workers = graph.template, graph.nodes, graph.workers
     n = len(nodes)
-    duration = np.zeros(n, dtype=np.int64)
-    alloc, free, flops = np.zeros(n), np.zeros(n), np.zeros(n)
+    duration, lag, overlap = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    alloc, free, flops, hw_flops, transient = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
     info: list[dict] = [{}] * n
     bridge: dict[int, dict[tuple[int, int], int]] = {}
     for i, edges in enumerate(timing.bridge):
@@ -54,8 +64,9 @@ def graph_costs(graph: StepGraph, timing: StepTiming) -> StepCosts:
         x = workers[node.worker].replica
         if node.kind.is_compute:
             i = node.op
-            duration[k] = timing.duration[i][x]
+            duration[k], overlap[k] = timing.duration[i][x], timing.overlap[i][x]
             alloc[k], free[k], flops[k] = timing.alloc[i][x], timing.free[i][x], timing.flops[i][x]
+            transient[k], hw_flops[k] = timing.transient[i][x], timing.hw_flops[i][x]
             info[k] = {name: float(v[x]) for name, v in timing.info[i].items()}
         elif node.kind.is_send:
             recv = nodes[graph.matching[k]]
@@ -66,23 +77,27 @@ def graph_costs(graph: StepGraph, timing: StepTiming) -> StepCosts:
                 slot = t.ops[consumer].deps.index(node.op)
                 duration[k] = timing.dep_comm[consumer][slot][workers[recv.worker].replica]
         elif node.kind.is_collective:
-            duration[k] = timing.allreduce[workers[node.worker].group]
+            timed = timing.collectives[node.collective]
+            duration[k], lag[k] = timed.duration, timed.lag[x]
     static = np.array([timing.static_bytes[w.group] for w in workers], dtype=float)
-    return StepCosts(duration, alloc, free, flops, tuple(info), static, timing.capacity)
+    return StepCosts(duration, alloc, free, flops, tuple(info), static, timing.capacity, lag, transient, hw_flops,
+                     overlap)
 
 
 def longest_path(graph: StepGraph, costs: StepCosts) -> tuple[np.ndarray, np.ndarray]:
-    """(start, end) of every node, in ns: a node starts when all it depends on has finished; a
-    collective's members start together, when the last of them could."""
+    """(start, end) of every node, in ns: a node starts when all it depends on has finished and, if
+    it has an anchor, ``lag`` after its anchor started; a collective's members start together, when
+    the last of them could."""
     n = len(graph)
     unit = list(range(n))  # a collective's members share one unit: its first member
     for members in graph.collectives:
         for m in members:
             unit[m] = members[0]
+    anchor = graph.anchor or (-1,) * n
     waiting = [0] * n
     successors: list[list[int]] = [[] for _ in range(n)]
     for k, deps in enumerate(graph.deps):
-        for d in deps:
+        for d in deps + ((anchor[k],) if anchor[k] >= 0 else ()):
             successors[unit[d]].append(unit[k])
             waiting[unit[k]] += 1
     ready = [u for u in range(n) if unit[u] == u and waiting[u] == 0]
@@ -93,7 +108,8 @@ def longest_path(graph: StepGraph, costs: StepCosts) -> tuple[np.ndarray, np.nda
     while ready:
         u = ready.pop()
         group = members.get(u, (u,))
-        begin = max((int(end[d]) for m in group for d in graph.deps[m]), default=0)
+        begin = max([int(end[d]) for m in group for d in graph.deps[m]]
+                    + [int(start[anchor[m]] + costs.lag[m]) for m in group if anchor[m] >= 0], default=0)
         for m in group:
             start[m], end[m] = begin, begin + int(costs.duration[m])
         done += len(group)

@@ -3,9 +3,13 @@
 Each op starts when its predecessor on the same worker and all its data
 dependencies (plus their transfer times) have finished; walking the template
 ops in topological order with one numpy array per op gives every replica's
-times at once. Without link contention this is exactly what the SimPy
-simulator computes (tests hold them equal, nanosecond for nanosecond); the
-optimizer uses it in its inner loop.
+times at once. A group's data-parallel collectives run on one stream shared by
+its replicas, so each is a scalar: an UNSHARD starts once the stream is free and
+every replica finished its previous op, and its op waits for it; a REDUCE_GRAD
+starts once the stream is free and ``lag`` after its anchor started on every
+replica. Without link contention this is exactly what the SimPy simulator
+computes (tests hold them equal, nanosecond for nanosecond); the optimizer
+uses it in its inner loop.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dflop.program.actions import Kind
 from dflop.program.costing import StepTiming
 
 
@@ -21,12 +26,13 @@ from dflop.program.costing import StepTiming
 class StepTimes:
     start: list[np.ndarray]
     end: list[np.ndarray]
-    allreduce_start: np.ndarray
-    allreduce_end: np.ndarray
+    collective_start: list[int]
+    """Per data-parallel collective (``StepTiming.collectives`` order), ns."""
+    collective_end: list[int]
     compute_ns: int
     """End of the last compute op."""
     step_ns: int
-    """End of the step (the last gradient all-reduce)."""
+    """End of the step (the last compute op or collective)."""
 
 
 @dataclass(frozen=True)
@@ -43,10 +49,20 @@ class StepSummary:
     peak_memory: np.ndarray
     """Per group: the largest replica's peak bytes per GPU."""
     memory_capacity: float
+    gpus: int
+    model_flops: float
+    """Model FLOPs of the step, all GPUs together (MFU's numerator)."""
+    hw_flops: float
+    """FLOPs executed, recomputation included (HFU's numerator)."""
 
     @property
     def fits(self) -> bool:
         return bool((self.peak_memory <= self.memory_capacity).all())
+
+    def utilisation(self, peak_flops: float) -> tuple[float, float]:
+        """(MFU, HFU): model and executed FLOPs over what the GPUs could do in the step."""
+        capacity = self.gpus * peak_flops * self.step_s
+        return (self.model_flops / capacity, self.hw_flops / capacity) if capacity > 0 else (0.0, 0.0)
 
 
 def evaluate(timing: StepTiming) -> StepTimes:
@@ -54,6 +70,15 @@ def evaluate(timing: StepTiming) -> StepTimes:
     n = len(t.ops)
     start: list[np.ndarray] = [None] * n  # type: ignore[list-item]
     end: list[np.ndarray] = [None] * n  # type: ignore[list-item]
+    before: dict[int, int] = {}
+    after: dict[int, list[int]] = {}
+    for c, timed in enumerate(timing.collectives):
+        if timed.kind is Kind.UNSHARD:
+            before[timed.op] = c
+        else:
+            after.setdefault(timed.op, []).append(c)
+    stream = [0] * len(t.groups)  # when each group's collective stream is next free
+    c_start, c_end = [0] * len(timing.collectives), [0] * len(timing.collectives)
     for i in t.order:
         op = t.ops[i]
         replicas = t.groups[op.group].replicas
@@ -66,33 +91,41 @@ def evaluate(timing: StepTiming) -> StepTimes:
             arrival = np.zeros(replicas, dtype=np.int64)
             np.maximum.at(arrival, dst, end[op.bridge][src] + ns)
             np.maximum(ready, arrival, out=ready)
+        if i in before:
+            c = before[i]
+            c_start[c] = max(stream[op.group], int(end[op.prev].max()) if op.prev >= 0 else 0)
+            c_end[c] = stream[op.group] = c_start[c] + timing.collectives[c].duration
+            np.maximum(ready, c_end[c], out=ready)
         start[i] = ready
         end[i] = ready + timing.duration[i]
-    last_end = np.array([end[j].max() for j in t.last_op], dtype=np.int64)
-    ar_end = last_end + timing.allreduce
+        for c in after.get(i, ()):
+            c_start[c] = max(stream[op.group], int((ready + timing.collectives[c].lag).max()))
+            c_end[c] = stream[op.group] = c_start[c] + timing.collectives[c].duration
     compute = int(max(e.max() for e in end))
-    return StepTimes(start, end, last_end, ar_end, compute, int(max(compute, ar_end.max())))
+    return StepTimes(start, end, c_start, c_end, compute, max([compute] + c_end))
 
 
 def peak_memory(timing: StepTiming) -> np.ndarray:
     """Per group and replica: model state plus the most activation bytes held at once.
 
     Memory follows program order alone (allocate when a forward starts, release
-    when its backward ends), so the peak needs no timing."""
+    when its backward ends, hold an op's transient bytes while it runs), so the
+    peak needs no timing."""
     t = timing.template
     peaks = []
     for g in t.groups:
         ops = [op.index for op in t.ops if op.group == g.index]
         alloc = np.stack([timing.alloc[i] for i in ops])
         free = np.stack([timing.free[i] for i in ops])
-        held_at_start = np.cumsum(alloc, axis=0) - np.cumsum(free, axis=0) + free
-        peaks.append(timing.static_bytes[g.index] + held_at_start.max(axis=0))
+        transient = np.stack([timing.transient[i] for i in ops])
+        held_while_running = np.cumsum(alloc, axis=0) - np.cumsum(free, axis=0) + free + transient
+        peaks.append(timing.static_bytes[g.index] + held_while_running.max(axis=0))
     return peaks  # type: ignore[return-value]
 
 
 def summarize(timing: StepTiming, times: StepTimes) -> StepSummary:
     t = timing.template
-    gpus_busy = 0.0
+    gpus_busy = model_flops = hw_flops = 0.0
     gpus = 0
     busy_max = np.zeros(len(t.groups))
     for g in t.groups:
@@ -101,6 +134,8 @@ def summarize(timing: StepTiming, times: StepTimes) -> StepSummary:
         busy_max[g.index] = busy.max() / 1e9
         gpus_busy += float(busy.sum()) * g.tp
         gpus += g.replicas * g.tp
+        model_flops += g.tp * sum(float(timing.flops[i].sum()) for i in ops)
+        hw_flops += g.tp * sum(float(timing.hw_flops[i].sum()) for i in ops)
     peaks = peak_memory(timing)
     return StepSummary(
         step_s=times.step_ns / 1e9,
@@ -110,4 +145,7 @@ def summarize(timing: StepTiming, times: StepTimes) -> StepSummary:
         busy_s=busy_max,
         peak_memory=np.array([p.max() for p in peaks]),
         memory_capacity=timing.capacity,
+        gpus=gpus,
+        model_flops=model_flops,
+        hw_flops=hw_flops,
     )

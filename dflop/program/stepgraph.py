@@ -10,8 +10,12 @@ made explicit:
 - ``BRIDGE_SEND_*`` / ``BRIDGE_RECV_*`` between encoder and LLM replicas of a
   disaggregated plan, one pair per (encoder replica, LLM replica) that share
   samples in a microbatch (the routes come from the step schedule);
-- ``REDUCE_GRAD``, a collective over the data-parallel replicas of a pipeline
-  rank, once per step.
+- data-parallel collectives over the replicas of a pipeline rank
+  (``collectives.py`` says which, by ZeRO stage): ``REDUCE_GRAD`` (gradient
+  all-reduce, or reduce-scatter plus the weights' all-gather) and ``UNSHARD``
+  (FSDP's exposed first-layer gather before a forward or backward). ``RESHARD``
+  is never emitted: a sharded stage's gathered weights are freed inside the op
+  that used them, which the costs account for.
 
 Sends and receives are placed as torch.distributed.pipelining places them: a
 send right after the compute that produces its tensor, the matching receive
@@ -28,8 +32,18 @@ way).
 Each node's ``deps`` are the nodes that must finish before it starts: the
 previous compute node of its worker (one compute stream), its data inputs, the
 matching send for a receive, the previous collective of its worker (one
-collective stream). Costs are a separate set of arrays (``costs.py``); the
-simulator runs (graph, costs), the torch backend runs ``order[worker]``.
+collective stream). A compute op's inputs include the ``UNSHARD`` before it.
+
+Overlap is one more edge: a ``REDUCE_GRAD`` has an ``anchor``, the compute node
+whose backward fills its gradient buckets; it starts ``lag`` after the anchor
+*starts* (a start-to-start edge; ``lag`` is a cost), not after it ends, and
+runs beside it on the collective stream. A runtime launches it as the anchor
+produces gradients (DDP's bucket hooks) and waits for it where it stands in
+the order: after the anchor, before the worker's next compute op (at the end
+for ZeRO-0/1).
+
+Costs are a separate set of arrays (``costs.py``); the simulator runs (graph,
+costs), the torch backend runs ``order[worker]``.
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ from functools import cached_property
 
 from dflop.program.actions import Kind
 from dflop.program.check import ProgramError
+from dflop.program.collectives import group_collectives
 from dflop.program.rendezvous import Rendezvous
 from dflop.program.routing import BridgeRoutes
 from dflop.program.template import Template
@@ -83,10 +98,10 @@ class Node:
     def label(self) -> str:
         """The name both runtimes give this node in traces (torch's action text where it has one)."""
         k = self.kind
-        if k is Kind.REDUCE_GRAD:
-            return k.value
         if k.is_collective:
-            return f"{self.stage}{k.value}"
+            if self.stage < 0:
+                return k.value
+            return f"{self.stage}{k.value}{self.microbatch}"
         if k in (Kind.BRIDGE_SEND_F, Kind.BRIDGE_SEND_B):
             return f"{self.stage}{k.value}{self.microbatch}>w{self.peer}"
         if k in (Kind.BRIDGE_RECV_F, Kind.BRIDGE_RECV_B):
@@ -123,8 +138,11 @@ class StepGraph:
     """Per node: what it reads. A compute node its local inputs and its receives; a send its
     producer; a receive its send."""
     collectives: tuple[tuple[int, ...], ...]
-    """Per collective: its member nodes, one per participating worker."""
+    """Per collective: its member nodes, one per participating worker (``group_collectives`` order)."""
     routes: BridgeRoutes | None
+    anchor: tuple[int, ...] = ()
+    """Per node: the compute node whose start it follows by its lag (a REDUCE_GRAD overlapping the
+    backward that fills its buckets); -1 for none."""
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -132,8 +150,10 @@ class StepGraph:
     @cached_property
     def deps(self) -> tuple[tuple[int, ...], ...]:
         """Per node: the nodes that must finish before it starts (its inputs, the worker's previous
-        compute node, and for a collective the worker's previous collective)."""
+        compute node unless it is the node's anchor, and for a collective the worker's previous
+        collective)."""
         deps: list[tuple[int, ...]] = [()] * len(self.nodes)
+        anchor = self.anchor or (-1,) * len(self.nodes)
         for ids in self.order:
             last_compute = last_collective = -1
             for n in ids:
@@ -141,7 +161,7 @@ class StepGraph:
                 mine = list(self.inputs[n])
                 if kind.is_collective and last_collective >= 0:
                     mine.append(last_collective)
-                if last_compute >= 0 and last_compute not in mine:
+                if last_compute >= 0 and last_compute not in mine and last_compute != anchor[n]:
                     mine.append(last_compute)
                 deps[n] = tuple(mine)
                 if kind.is_compute:
@@ -160,6 +180,15 @@ class StepGraph:
         for n, deps in enumerate(self.deps):
             for d in deps:
                 out[d].append(n)
+        return out
+
+    @cached_property
+    def overlapping(self) -> list[list[int]]:
+        """Per compute node: the nodes anchored on it (that start while it runs)."""
+        out: list[list[int]] = [[] for _ in self.nodes]
+        for n, a in enumerate(self.anchor):
+            if a >= 0:
+                out[a].append(n)
         return out
 
     @cached_property
@@ -305,11 +334,13 @@ def lower(template: Template, routes: BridgeRoutes | None = None) -> StepGraph:
             stuck = [f"w{w} at {t.ops[q[0]].action}" for w, q in enumerate(queues) if q]
             raise ProgramError("cannot place sends and receives (the program deadlocks): " + ", ".join(stuck[:6]))
     order = [_defer_receives(w, ids, nodes) for w, ids in enumerate(lists)]
-    collectives = _reduce_grads(t, workers, nodes, order)
+    collectives, anchor, unshard = _place_collectives(t, workers, nodes, order, compute_of)
     inputs = _data_inputs(t, nodes, send_of, compute_of)
+    for compute, u in unshard.items():
+        inputs[compute].append(u)
     _hoist_for_rendezvous(nodes, order, inputs, send_of, collectives)
     return StepGraph(t, workers, tuple(nodes), tuple(tuple(o) for o in order), tuple(map(tuple, inputs)),
-                     collectives, routes)
+                     collectives, routes, tuple(anchor))
 
 
 def _defer_receives(w: int, ids: list[int], nodes: list[Node]) -> list[int]:
@@ -336,21 +367,41 @@ def _defer_receives(w: int, ids: list[int], nodes: list[Node]) -> list[int]:
     return result
 
 
-def _reduce_grads(t: Template, workers: tuple[Worker, ...], nodes: list[Node],
-                  order: list[list[int]]) -> tuple[tuple[int, ...], ...]:
-    """One REDUCE_GRAD per worker of every pipeline rank with more than one replica, at the end."""
-    collectives = []
-    for g in t.groups:
-        if g.replicas < 2:
-            continue
-        members = []
+def _place_collectives(t: Template, workers: tuple[Worker, ...], nodes: list[Node], order: list[list[int]],
+                       compute_of: dict[tuple[int, int], int]) -> tuple[tuple[tuple[int, ...], ...], list[int],
+                                                                         dict[int, int]]:
+    """The data-parallel collectives of ``group_collectives``, one node per worker of the group:
+    an UNSHARD right before the compute it feeds, a REDUCE_GRAD after its anchor (before the
+    worker's next compute op, or last). Returns the members of each collective, every node's
+    anchor, and the UNSHARD of each compute node that has one."""
+    members: list[tuple[int, ...]] = []
+    placed: list[tuple[int, int, bool]] = []  # (worker, node, before) to insert next to a compute
+    for c, spec in enumerate(group_collectives(t)):
+        a = t.ops[spec.op].action
+        stage, microbatch = (-1, -1) if spec.kind is Kind.REDUCE_GRAD and spec.last and t.plan.zero <= 1 \
+            else (a.stage, a.microbatch)
+        group = []
         for w in workers:
-            if w.group == g.index:
-                nodes.append(Node(w.index, Kind.REDUCE_GRAD, -1, -1, -1, collective=len(collectives)))
-                order[w.index].append(len(nodes) - 1)
-                members.append(len(nodes) - 1)
-        collectives.append(tuple(members))
-    return tuple(collectives)
+            if w.group == spec.group:
+                nodes.append(Node(w.index, spec.kind, stage, microbatch, spec.op, collective=c))
+                group.append(len(nodes) - 1)
+                placed.append((w.index, len(nodes) - 1, spec.kind is Kind.UNSHARD))
+        members.append(tuple(group))
+    anchor = [-1] * len(nodes)
+    unshard: dict[int, int] = {}
+    for w, n, before in placed:
+        compute = compute_of[(nodes[n].op, w)]
+        ids = order[w]
+        at = ids.index(compute)
+        if before:
+            unshard[compute] = n
+        else:
+            anchor[n] = compute
+            at += 1
+            while at < len(ids) and not nodes[ids[at]].kind.is_compute:
+                at += 1
+        ids.insert(at, n)
+    return tuple(members), anchor, unshard
 
 
 def _data_inputs(t: Template, nodes: list[Node], send_of: dict[int, int],

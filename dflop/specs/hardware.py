@@ -40,6 +40,12 @@ class HardwareSpec:
     efficiency: tuple[tuple[float, float], ...]
     """Achieved fraction of peak as a function of the FLOPs of one kernel-sized unit of work
     (one layer on one GPU): points (flops, fraction), interpolated in log(flops)."""
+    comm_slowdown: float = 0.0
+    """Fraction by which compute slows while a communication kernel runs beside it (NCCL's kernels
+    take SMs and memory bandwidth from the GEMMs they overlap)."""
+    plausible_mfu: float = 1.0
+    """The highest model-FLOPs utilisation a training step plausibly reaches on this device; a
+    prediction above it is flagged (the efficiency curve is an assumption until calibrated)."""
     device_names: tuple[str, ...] = ()
     """Names the runtime reports for this device (torch.cuda.get_device_name(), or 'cpu'):
     measured profiles from these devices apply to this hardware."""
@@ -53,6 +59,8 @@ class HardwareSpec:
                 f"reserved_fraction: must be in [0, 1), got {self.reserved_fraction}")
         require(self.intra_node_latency >= 0 and self.inter_node_latency >= 0,
                 "latencies must not be negative")
+        require(0 <= self.comm_slowdown < 1, f"comm_slowdown: must be in [0, 1), got {self.comm_slowdown}")
+        require(0 < self.plausible_mfu <= 1, f"plausible_mfu: must be in (0, 1], got {self.plausible_mfu}")
         require(len(self.efficiency) >= 1, "efficiency: needs at least one (flops, fraction) point")
         xs = [p[0] for p in self.efficiency]
         require(all(a < b for a, b in zip(xs, xs[1:])),
@@ -141,10 +149,15 @@ class TrainingSpec:
     grad_bytes: int = 2
     optimizer_bytes: int = 12
     activation_bytes: int = 2
-    recompute: Literal["none", "full"] = "none"
-    """'full': keep only each layer's input and recompute the layer in backward."""
+    recompute: Literal["auto", "none", "selective", "full"] = "auto"
+    """Activation recomputation the planner may use: 'auto' lets it choose per plan (the least that
+    fits, in every space searched); a mode fixes it for every plan of every space."""
+    bucket_params: int = 40_000_000
+    """Parameters per gradient bucket of the data-parallel reduction (Megatron's default bucket size):
+    the first bucket's reduction starts once the backward has produced it."""
 
     def __post_init__(self) -> None:
         require(self.global_batch >= 1, f"global_batch: must be at least 1, got {self.global_batch}")
+        require(self.bucket_params >= 1, f"bucket_params: must be at least 1, got {self.bucket_params}")
         for name in ("weight_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"):
             require(getattr(self, name) >= 0, f"{name}: must not be negative")

@@ -28,6 +28,21 @@ class Module(str, Enum):
 MODULES: tuple[Module, Module] = (Module.ENCODER, Module.LLM)
 
 
+class Recompute(str, Enum):
+    """Activation recomputation (Megatron's --recompute-granularity, torchtitan's activation checkpointing)."""
+
+    NONE = "none"
+    """Keep every activation the backward needs."""
+    SELECTIVE = "selective"
+    """Recompute the cheap, memory-hungry elementwise parts (norms, the MLP's activation function):
+    Megatron's selective recomputation, torchtitan's op-level selective AC."""
+    FULL = "full"
+    """Keep only each layer's input and rerun the layer's forward in the backward."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Placement(str, Enum):
     """Where the encoder runs relative to the LLM."""
 
@@ -83,18 +98,35 @@ class Plan:
     """Pipeline schedule, named as torch.distributed.pipelining names it."""
     virtual_stages: int = 1
     """Model chunks per LLM pipeline rank (Interleaved1F1B)."""
-    zero: Literal[0, 1, 3] = 1
-    """ZeRO stage over data parallelism: 0 none, 1 optimizer state sharded
-    (Megatron's distributed optimizer), 3 everything sharded (FSDP)."""
+    zero: Literal[0, 1, 2, 3] = 1
+    """ZeRO stage over data parallelism. 0: replicated (DDP), one bucketed gradient all-reduce per
+    step, overlapped with the last backward. 1: optimizer state sharded (Megatron's distributed
+    optimizer): a reduce-scatter of the gradients and an all-gather of the updated weights per step.
+    2: gradients sharded too: each microbatch's gradients reduce-scattered as its backward produces
+    them (DeepSpeed ZeRO-2). 3: weights sharded too (FSDP): every forward and backward gathers each
+    layer's weights just ahead of use and reduce-scatters its gradients."""
+    hsdp: bool = False
+    """With zero 3: shard within a node and replicate across nodes (hybrid sharding, HSDP): gathers
+    and reduce-scatters stay on NVLink, plus an all-reduce of each shard's gradients across nodes."""
+    fp32_grads: bool = False
+    """Gradients accumulated and reduced in fp32 buffers (Megatron's main_grad; FSDP's reduce_dtype
+    float32) instead of the recipe's gradient precision. With zero 1 this is Megatron's distributed
+    optimizer: 6 + 12/d bytes per parameter."""
+    recompute: Recompute = Recompute.NONE
+    """Activation recomputation of every layer of both modules."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.placement, Placement):  # accept the plain name too
-            names = [p.value for p in Placement]
-            require(self.placement in names, f"placement: {self.placement!r} is not one of {', '.join(names)}")
-            object.__setattr__(self, "placement", Placement(self.placement))
+        for name, enum in (("placement", Placement), ("recompute", Recompute)):
+            value = getattr(self, name)
+            if not isinstance(value, enum):  # accept the plain name too
+                names = [p.value for p in enum]
+                require(value in names, f"{name}: {value!r} is not one of {', '.join(names)}")
+                object.__setattr__(self, name, enum(value))
         require(self.microbatches >= 1, f"microbatches: must be at least 1, got {self.microbatches}")
         require(self.virtual_stages >= 1,
                 f"virtual_stages: must be at least 1, got {self.virtual_stages}")
+        require(self.zero in (0, 1, 2, 3), f"zero: must be 0, 1, 2 or 3, got {self.zero!r}")
+        require(not self.hsdp or self.zero == 3, "hsdp: hybrid sharding needs zero 3")
 
     @property
     def gpus(self) -> int:
@@ -124,12 +156,35 @@ class Plan:
         layers = model.encoder.layers if name == Module.ENCODER else model.llm.layers
         return plan.layers_per_stage or even_split(layers, self.stages(name))
 
+    @property
+    def pipeline_ranks(self) -> int:
+        """Ranks of the one pipeline the program runs (encoder stages first when disaggregated)."""
+        return self.llm.pp if self.colocated else self.encoder.pp + self.llm.pp
+
     def describe(self) -> str:
         enc = "in LLM stage 0" if self.colocated else self.encoder.describe()
+        memory = f"zero{self.zero}" + (" hsdp" if self.hsdp else "") + (" fp32-grads" if self.fp32_grads else "")
         return (f"encoder {enc} | llm {self.llm.describe()} | {self.placement} | "
                 f"m={self.microbatches} {self.schedule}"
                 + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
-                + f" zero{self.zero}")
+                + f" {memory}" + (f" recompute-{self.recompute}" if self.recompute is not Recompute.NONE else ""))
+
+    def _schedule_problems(self) -> list[str]:
+        """Canonical plans only: one pipeline rank runs every schedule as plain gradient accumulation."""
+        out = []
+        interleaved = self.schedule.strip().lower().startswith("interleaved")
+        if self.pipeline_ranks == 1 and (self.schedule.strip().lower() != "1f1b" or self.virtual_stages > 1):
+            out.append(f"one pipeline rank runs {self.schedule}"
+                       + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+                       + " as plain gradient accumulation: use 1F1B with one virtual stage")
+        elif interleaved and self.virtual_stages == 1:
+            out.append(f"{self.schedule} with one virtual stage is not interleaved: use 1F1B or ZBH1")
+        elif self.virtual_stages > 1 and not interleaved:
+            out.append(f"{self.virtual_stages} virtual stages need an interleaved schedule, not {self.schedule}")
+        if self.zero >= 2 and not (self.colocated and self.llm.pp == 1):
+            out.append(f"zero {self.zero} is modelled as FSDP and DeepSpeed run it: one colocated stage (pp 1); "
+                       "with pipelining use zero 0 or 1")
+        return out
 
     def problems(self, cluster: ClusterSpec, model: MLLMSpec,
                  global_batch: int | None = None) -> list[str]:
@@ -169,8 +224,7 @@ class Plan:
                            f"(got {enc.describe()})")
         elif self.virtual_stages > 1:
             out.append("virtual stages (Interleaved1F1B) need colocated placement")
-        if self.zero == 3 and self.llm.pp > 1:
-            out.append("zero 3 (FSDP) is modelled without pipeline parallelism; use pp 1")
+        out.extend(self._schedule_problems())
         if global_batch is not None and self.bins > global_batch:
             out.append(f"llm dp {self.llm.dp} x {self.microbatches} microbatches = {self.bins} "
                        f"bins, more than the {global_batch} samples of the global batch")

@@ -8,7 +8,8 @@ Definitions (GPU-weighted: a worker of 4 GPUs counts 4 times):
   compute op (pipeline bubbles, and waiting for slower replicas or modules);
   for one pipeline with equal stages this is the textbook (p-1)/(m+p-1);
 - idle fraction: idle share over the whole step (the all-reduce tail included);
-- utilisation: 1 - idle fraction; MFU: model FLOPs / (GPUs x peak x time).
+- utilisation: 1 - idle fraction; MFU: model FLOPs / (GPUs x peak x time);
+  HFU: the same with the FLOPs executed (recomputation counted; ``hw_flops``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class TraceMetrics:
     idle_fraction: float
     utilisation: float
     mfu: float | None
+    hfu: float | None
     peak_memory_gib: list[float]
     oom: list[dict[str, Any]]
 
@@ -47,7 +49,7 @@ class TraceMetrics:
         return {"steps": self.steps, "step_time_s": {"mean": self.step_time_mean, "p50": self.step_time_p50,
                                                      "each": self.step_time_s},
                 "bubble_fraction": self.bubble_fraction, "idle_fraction": self.idle_fraction,
-                "utilisation": self.utilisation, "mfu": self.mfu,
+                "utilisation": self.utilisation, "mfu": self.mfu, "hfu": self.hfu,
                 "peak_memory_gib": max(self.peak_memory_gib, default=0.0), "oom": self.oom}
 
 
@@ -64,10 +66,12 @@ def metrics(doc: dict[str, Any]) -> TraceMetrics:
     index = {pid: i for i, pid in enumerate(pids)}
     busy = np.zeros(n)
     step_times, compute_spans = [], []
-    flops = 0.0
+    flops = hw_flops = 0.0
     for e in compute:
         busy[index[e["pid"]]] += e["dur"]
-        flops += e.get("args", {}).get("flops", 0.0) * weight[e["pid"]]
+        args = e.get("args", {})
+        flops += args.get("flops", 0.0) * weight[e["pid"]]
+        hw_flops += args.get("hw_flops", args.get("flops", 0.0)) * weight[e["pid"]]
     for s in steps:
         step_times.append((s["end_us"] - s["start_us"]) / 1e6)
         compute_spans.append((s.get("compute_end_us", s["end_us"]) - s["start_us"]) / 1e6)
@@ -90,6 +94,7 @@ def metrics(doc: dict[str, Any]) -> TraceMetrics:
         idle_fraction=idle_fraction,
         utilisation=1.0 - idle_fraction,
         mfu=flops / (gpus * peak_flops * total_step) if peak_flops and total_step > 0 else None,
+        hfu=hw_flops / (gpus * peak_flops * total_step) if peak_flops and total_step > 0 else None,
         peak_memory_gib=peaks,
         oom=other.get("oom", []),
     )

@@ -3,7 +3,10 @@
 Both runtimes call it with the same graph and their own times (simulated or
 measured), so the two traces of a step hold the same events with the same
 names and arguments: compute nodes on a worker's compute thread, sends,
-receives and collectives on its communication thread. ``seq`` is the node's
+receives and collectives on its communication thread, and, when the costs say a
+compute node has communication running inside it (FSDP's per-layer gathers and
+reductions), that communication as an ``overlapped`` event beside it (a
+prediction, so it has no ``seq``: only the simulator writes it). ``seq`` is the node's
 position in its worker's order, which is how traces from two runtimes are
 lined up.
 """
@@ -18,6 +21,8 @@ from dflop.trace.chrome import COMM, COMPUTE, TraceBuilder
 
 RECV = "recv"
 """Category of receive events: they mark arrivals; the transfer itself is drawn by the send."""
+OVERLAPPED = "overlapped"
+"""Category of communication inside a compute node (drawn from its start for its summed length)."""
 
 
 def worker_records(graph: StepGraph, costs: StepCosts | None = None,
@@ -58,7 +63,7 @@ def node_args(graph: StepGraph, k: int, costs: StepCosts | None = None) -> dict[
     if node.peer >= 0:
         args["peer"] = node.peer
     if costs is not None and node.kind.is_compute:
-        args.update(flops=float(costs.flops[k]), **costs.info[k])
+        args.update(flops=float(costs.flops[k]), hw_flops=float(costs.hw_flops[k]), **costs.info[k])
     return args
 
 
@@ -68,8 +73,13 @@ def record_step(trace: TraceBuilder, graph: StepGraph, start: Sequence[int], end
     """Every node of the step as one complete event; memory as counter events when given."""
     for k, node in enumerate(graph.nodes):
         tid = COMPUTE if node.kind.is_compute else COMM
+        args = {**node_args(graph, k, costs), "step": step}
         trace.op(node.worker, tid, graph.labels[k], _category(graph, k), int(start[k]) + offset_ns,
-                 int(end[k]) + offset_ns, {**node_args(graph, k, costs), "step": step})
+                 int(end[k]) + offset_ns, args)
+        if costs is not None and costs.overlap[k] > 0:
+            span = min(int(costs.overlap[k]), int(end[k] - start[k]))
+            trace.op(node.worker, COMM, f"{graph.labels[k]}:comm", OVERLAPPED, int(start[k]) + offset_ns,
+                     int(start[k]) + span + offset_ns, {"of": graph.labels[k], "step": step})
     for w, changes in enumerate(memory or ()):
         for ns, held in changes:
             trace.counter(w, "memory", ns + offset_ns, held)

@@ -18,6 +18,9 @@ COLORS = {
     "W": "#55a868",
     "comm": "#b0b0b0",
     "allreduce": "#8172b3",
+    "reduce_grad": "#8172b3",
+    "unshard": "#937860",
+    "overlapped": "#c4ad66",
     "idle": "#f2f2f2",
 }
 

@@ -1,0 +1,56 @@
+"""Which data-parallel collectives a step has, where they sit, and what they overlap: cost-free.
+
+Every pipeline rank with more than one data-parallel replica synchronises its
+replicas; how depends on the plan's ZeRO stage (what is sharded):
+
+- ZeRO-0 and ZeRO-1: one ``REDUCE_GRAD`` per step (the gradients' all-reduce, or
+  their reduce-scatter plus the updated weights' all-gather), *overlapping* the
+  rank's last compute op: gradient accumulation defers the reduction to the
+  last microbatch, whose backward fills the buckets it reduces.
+- ZeRO-2: one ``REDUCE_GRAD`` per backward op, overlapping it (each microbatch's
+  gradients are reduce-scattered into their shards as they are produced); the
+  last one also carries the weights' all-gather.
+- ZeRO-3 (FSDP): one ``UNSHARD`` before every forward and backward op: the
+  exposed gather of its first layer (the rest are gathered beside compute,
+  inside the op). A collective over the replicas, so every forward and
+  backward starts on all replicas together: FSDP's per-layer synchronisation.
+
+The lowering places these nodes and the costing prices them from the same list
+(``group_collectives``), so nodes and costs line up by index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflop.program.actions import Kind
+from dflop.program.template import Template
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    kind: Kind
+    """REDUCE_GRAD (overlaps the start of ``op``) or UNSHARD (precedes ``op``)."""
+    group: int
+    op: int
+    """Template op: the compute a REDUCE_GRAD overlaps (its anchor), or the one an UNSHARD feeds."""
+    last: bool
+    """The group's last reduction of the step (it carries ZeRO-1/2's weight all-gather)."""
+
+
+def group_collectives(template: Template) -> tuple[CollectiveSpec, ...]:
+    """Every collective of the step, group by group, each group's in program order."""
+    plan = template.plan
+    out: list[CollectiveSpec] = []
+    for g in template.groups:
+        if g.replicas < 2:
+            continue
+        ops = [op for op in template.ops if op.group == g.index]
+        if plan.zero <= 1:
+            out.append(CollectiveSpec(Kind.REDUCE_GRAD, g.index, ops[-1].index, True))
+        elif plan.zero == 2:
+            weights = [op for op in ops if op.action.kind in (Kind.B, Kind.W)]
+            out.extend(CollectiveSpec(Kind.REDUCE_GRAD, g.index, op.index, op is weights[-1]) for op in weights)
+        else:
+            out.extend(CollectiveSpec(Kind.UNSHARD, g.index, op.index, False) for op in ops)
+    return tuple(out)

@@ -1,0 +1,154 @@
+"""What the data-parallel collectives of a plan cost, and what they do to the compute they overlap.
+
+Built once per plan (bytes, groups, bandwidths do not depend on the batch) and
+applied to every step's op durations:
+
+- ZeRO-0/1/2 reductions (``REDUCE_GRAD``): the gradient bytes of a pipeline rank
+  (fp32 with ``fp32_grads``) all-reduced (ZeRO-0) or reduce-scattered, plus the
+  updated weights' all-gather on the step's last reduction (ZeRO-1/2, the
+  same volume as an all-reduce when gradients and weights have the same width),
+  in buckets of ``TrainingSpec.bucket_params``, overlapping the backward that
+  fills them (``overlap.bucket_lag``); that backward runs slower beside it.
+- ZeRO-3 (FSDP, HSDP): each forward and backward is a chain of layer units
+  (encoder layers, then LLM layers; reversed in the backward), each computing
+  while the next unit's weights are gathered and, backward, the previous unit's
+  gradients are reduce-scattered (and, with HSDP, all-reduced across nodes);
+  the root's (embeddings, head, projector) and the first unit's gathers are the
+  exposed ``UNSHARD`` before the op, the last reductions are exposed after it.
+
+Bandwidths come from where the group's GPUs are (``comm.collective_link``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflop.cost.comm import allgather_time, collective_link, reduce_scatter_time, ring_allreduce_time
+from dflop.cost.memory import grad_bytes, layer_params
+from dflop.cost.overlap import bucket_lag, bucket_slowdown, unit_chain
+from dflop.program.actions import Kind
+from dflop.program.collectives import CollectiveSpec
+from dflop.specs.hardware import ClusterSpec, TrainingSpec
+from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import Plan
+
+NS = 1e9
+
+
+@dataclass(frozen=True)
+class TimedCollective:
+    kind: Kind
+    group: int
+    op: int
+    """As in its ``CollectiveSpec``: the anchor of a REDUCE_GRAD, the op an UNSHARD feeds."""
+    duration: int
+    """ns, the same on every member."""
+    lag: np.ndarray
+    """Per replica: ns after its anchor starts (a REDUCE_GRAD); zeros for an UNSHARD."""
+
+
+@dataclass(frozen=True)
+class Units:
+    """FSDP's layer units on one pipeline rank (the whole model: ZeRO-3 runs on one stage)."""
+
+    layers: dict[str, int]
+    """Units per module, in forward order."""
+    gather: dict[str, float]
+    """Seconds to gather one unit's weights, per unit kind ('encoder', 'llm', 'root')."""
+    reduce: dict[str, float]
+    """Seconds to reduce one unit's gradients (reduce-scatter, plus HSDP's all-reduce)."""
+
+
+@dataclass(frozen=True)
+class GroupComm:
+    reduce: float
+    """Seconds of one gradient reduction (the step's, or with ZeRO-2 a microbatch's)."""
+    gather: float
+    """Seconds of the updated weights' all-gather (ZeRO-1/2), carried by the last reduction."""
+    buckets: int
+    units: Units | None
+
+
+def shard_degree(plan: Plan, per_node: int, dp: int, tp: int) -> int:
+    """GPUs a ZeRO-3 stage is sharded over: the whole data-parallel group, or with HSDP the replicas
+    inside one node (``place`` puts a stage's replicas side by side)."""
+    if not plan.hsdp:
+        return dp
+    shards = min(dp, max(per_node // tp, 1))
+    return shards if dp % shards == 0 else dp
+
+
+def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: ClusterSpec, params: float,
+           tp: int, dp_gpus: list[int]) -> Units:
+    d = len(dp_gpus)
+    shards = shard_degree(plan, cluster.gpus_per_node, d, tp)
+    shard_link = collective_link(cluster, dp_gpus[:shards])
+    across = dp_gpus[::shards]
+    across_link = collective_link(cluster, across)
+    gb = grad_bytes(training, plan.fp32_grads)
+    layers = {"encoder": model.encoder.layers, "llm": model.llm.layers}
+    sizes = {m: float(layer_params(model, m)) for m in layers}
+    sizes["root"] = params - sum(layers[m] * sizes[m] for m in layers)
+    gather, reduce = {}, {}
+    for kind, p in sizes.items():
+        gather[kind] = float(allgather_time(p / tp * training.weight_bytes, shards, *shard_link))
+        reduce[kind] = float(reduce_scatter_time(p / tp * gb, shards, *shard_link)
+                             + ring_allreduce_time(p / tp * gb / shards, len(across), *across_link))
+    return Units(layers, gather, reduce)
+
+
+def group_comm(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: ClusterSpec, params: float,
+               tp: int, dp_gpus: list[int]) -> GroupComm | None:
+    """The constants of one pipeline rank's data-parallel communication (None without replicas)."""
+    d = len(dp_gpus)
+    if d < 2:
+        return None
+    if plan.zero == 3:
+        return GroupComm(0.0, 0.0, 1, _units(plan, model, training, cluster, params, tp, dp_gpus))
+    link = collective_link(cluster, dp_gpus)
+    grads = params / tp * grad_bytes(training, plan.fp32_grads)
+    if plan.zero == 0:
+        reduce, gather = float(ring_allreduce_time(grads, d, *link)), 0.0
+    else:
+        reduce = float(reduce_scatter_time(grads, d, *link))
+        gather = float(allgather_time(params / tp * training.weight_bytes, d, *link))
+    buckets = max(1, int(np.ceil(params / training.bucket_params)))
+    return GroupComm(reduce, gather, buckets, None)
+
+
+def reduction(spec: CollectiveSpec, comm: GroupComm, duration: list[np.ndarray], slowdown: float) -> TimedCollective:
+    """Price a REDUCE_GRAD and slow its anchor's ``duration`` (ns, per replica) in place."""
+    seconds = comm.reduce + (comm.gather if spec.last else 0.0)
+    backward = duration[spec.op] / NS
+    lag = bucket_lag(backward, seconds, comm.buckets)
+    duration[spec.op] = duration[spec.op] + to_ns(bucket_slowdown(backward, seconds, lag, slowdown))
+    return TimedCollective(spec.kind, spec.group, spec.op, int(to_ns(seconds)), to_ns(lag))
+
+
+def fsdp_op(kind: Kind, units: Units, compute: dict[str, np.ndarray], slowdown: float) -> tuple[float, np.ndarray,
+                                                                                                   np.ndarray]:
+    """(exposed gather before the op, op seconds, communication seconds beside it) of one forward or
+    backward over the units; ``compute`` is each module's seconds per replica (all its layers)."""
+    order = [m for m in ("encoder", "llm") for _ in range(units.layers[m])]
+    per_unit = {m: np.asarray(compute[m], dtype=float) / units.layers[m] for m in units.layers}
+    if kind is Kind.F:
+        exposed = units.gather["root"] + units.gather[order[0]]
+        total, comm = unit_chain(order, per_unit, units.gather, {m: 0.0 for m in units.layers}, slowdown)
+    else:
+        order.reverse()
+        exposed = units.gather[order[0]]
+        total, comm = unit_chain(order, per_unit, units.gather, units.reduce, slowdown)
+        total = total + units.reduce["root"]
+    return exposed, total, np.broadcast_to(comm, np.shape(total)).copy()
+
+
+def to_ns(seconds: np.ndarray | float) -> np.ndarray:
+    return np.rint(np.asarray(seconds, dtype=float) * NS).astype(np.int64)
+
+
+def dp_gpus(gpus: list[tuple[int, ...]]) -> list[int]:
+    """The data-parallel group of tensor-parallel rank 0 (every TP rank's group is placed alike)."""
+    return [replica[0] for replica in gpus]
+
