@@ -50,27 +50,32 @@ def problem(encoder: str, llm: str, gpus: int, mix: str) -> tuple[PlanningProble
     return PlanningProblem(system, data), batch
 
 
-def row(name: str, r: OptimizeResult, seconds: float) -> tuple[str, str]:
+def x(gain: float | None) -> str:
+    return f"{gain:.2f}x" if gain is not None else "n/a"
+
+
+def rows(name: str, r: OptimizeResult, seconds: float) -> tuple[str, str, str]:
+    """The setting's row in each table: the comparison, every baseline's step time, the plans."""
     best, b = r.best, r.strongest
     mfu = float(np.mean(best.mfu))
-    error = r.speedup_at_error()
     if b is None:
         main = f"| {name} | {best.mean:.3f} ({mfu:.0%}) | no baseline fits | | | | | {seconds:.0f} |"
     else:
-        d = r.decomposition or {"plan_gain": float("nan"), "balance_gain": float("nan")}
-        gain = "**none**" if r.speedup < 1.005 else f"{r.speedup:.2f}x"
+        d = r.decomposition or {"plan_gain": None, "balance_gain": None}
+        e = r.speedup_at_error()
+        gain = f"{r.speedup:.2f}x" + (" (none)" if r.speedup < 1.005 else "")
         main = (f"| {name} | {best.mean:.3f} ({mfu:.0%}) | {b.name}: {b.best.mean:.3f} "
-                f"({float(np.mean(b.best.mfu)):.0%}) | {gain} | {d['plan_gain']:.2f}x | {d['balance_gain']:.2f}x | "
-                f"{error['speedup']:.2f}x ({error['plan_gain']:.2f} x {error['balance_gain']:.2f}) | {seconds:.0f} |")
-    cells = []
-    for base in r.baselines:
-        cells.append("no plan" if base.best is None else f"{base.best.mean:.3f}")
-    plans = f"| {name} | {best.plan.describe()} | " + (b.best.plan.describe() if b else "") + " |"
-    return main, f"| {name} | " + " | ".join(cells) + " |\n" + plans
+                f"({float(np.mean(b.best.mfu)):.0%}) | {gain} | {x(d['plan_gain'])} | {x(d['balance_gain'])} | "
+                f"{e['speedup']:.2f}x ({x(e['plan_gain'])} x {x(e['balance_gain'])}) | {seconds:.0f} |")
+    cells = ["no plan" if x.best is None else f"{x.best.mean:.3f}" for x in r.baselines]
+    plans = f"| {name} | {best.plan.describe()} ({best.batching}) | " + (
+        f"{b.best.plan.describe()} ({b.batching})" if b else "") + " |"
+    return main, f"| {name} | " + " | ".join(cells) + " |", plans
 
 
 def main(quick: bool) -> None:
-    mains, details, reasons = [], [], []
+    tables: list[list[str]] = [[], [], []]
+    reasons = []
     for encoder, llm, mix, gpus in (QUICK if quick else SETTINGS):
         p, batch = problem(encoder, llm, gpus, mix)
         sigma, _ = prediction_error(p.cost)
@@ -78,22 +83,23 @@ def main(quick: bool) -> None:
         r = optimize(p, batch, noise=sigma)
         seconds = time.perf_counter() - start
         name = f"{SHORT[encoder]} + {SHORT[llm]}, {mix}, {gpus}"
-        m, d = row(name, r, seconds)
-        mains.append(m)
-        details.append(d)
-        reasons += [f"- {name}: {b.name}: {b.reason}" for b in r.baselines if b.best is None]
+        for table, line in zip(tables, rows(name, r, seconds)):
+            table.append(line)
+        reasons += [f"- {name}: {b.name}: {b.reason}" for b in r.baselines if b.reason]
         print(f"{name}: {seconds:.0f} s; " + "; ".join(r.why[:2]), flush=True)
     print("\n| setting (H100) | dflop step s (MFU) | strongest baseline: step s (MFU) | speedup | plan gain | "
           "balance gain | at 20% error: speedup (plan x balance) | search s |")
     print("|---|---|---|---|---|---|---|---|")
-    print("\n".join(mains))
-    print("\nevery baseline's step time (s): Megatron arrival | modality-length | token-budget, then PyTorch the same;"
-          " below each, dflop's plan | the strongest baseline's plan")
-    print("\n| setting | M arrival | M modality | M tokens | P arrival | P modality | P tokens |")
+    print("\n".join(tables[0]))
+    print("\nevery baseline's best step time (s), M: Megatron-style, P: PyTorch-style space\n")
+    print("| setting | M arrival | M modality | M tokens | P arrival | P modality | P tokens |")
     print("|---|---|---|---|---|---|---|")
-    print("\n".join(details))
+    print("\n".join(tables[1]))
+    print("\n| setting | dflop's plan (bins) | the strongest baseline's plan (bins) |")
+    print("|---|---|---|")
+    print("\n".join(tables[2]))
     if reasons:
-        print("\nbaselines with no plan:\n" + "\n".join(reasons))
+        print("\nbaselines with no plan, or whose plan does not fit with dflop's bins:\n" + "\n".join(reasons))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ simulator, then writes the artifacts (traces, timelines, plan).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +27,7 @@ from dflop.program.evaluate import evaluate
 from dflop.program.schedules import canonical
 from dflop.program.steps import StepRunner
 from dflop.schedule.background import AsyncScheduler
-from dflop.schedule.batching import Batching, assign
+from dflop.schedule.batching import Batching, assign, synchronised
 from dflop.schedule.step import StepSchedule, plan_costs, schedule_batch
 from dflop.specs.hardware import GIB
 from dflop.specs.loading import to_mapping
@@ -91,7 +91,8 @@ def confirm_with_simpy(s: Setup, batches_: int = 2) -> Callable[[Plan, Batching]
             batch = pool[i]
             if batching is Batching.BALANCED:
                 costs = plan_costs(batch, plan, s.system.model, s.system.cost)
-                assignment = schedule_batch(batch, plan, costs=costs, solver="greedy").assignment
+                assignment = synchronised(plan, schedule_batch(batch, plan, costs=costs, solver="greedy").assignment,
+                                          costs)
             else:
                 assignment = rule_assignment(plan, batch, batching)
             steps.append(ScheduledBatch(batch, assignment))
@@ -146,8 +147,9 @@ def assigner(s: Setup, runner: StepRunner, solver: str,
         def timed(assignment: np.ndarray) -> float:
             return evaluate(runner.step(0, batch, assignment).timing).step_ns
 
-        return schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=time_limit, backend=ilp_backend,
-                              evaluate=None if solver in ("sequential", "random") else timed)
+        schedule = schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=time_limit,
+                                  backend=ilp_backend, evaluate=None if solver in ("sequential", "random") else timed)
+        return replace(schedule, assignment=synchronised(plan, schedule.assignment, costs))
 
     return assign_
 
@@ -215,8 +217,9 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
     log(f"dflop: plan [{best.plan.describe()}] ({best.batching}); strongest baseline {strongest.name} "
         f"[{base.plan.describe()}]")
     solver = s.config.scheduler.solver
-    runs = {"dflop": (best.plan, best.batching), "baseline": (base.plan, base.batching),
-            "baseline_balanced": (base.plan, Batching.BALANCED)}
+    runs = {"dflop": (best.plan, best.batching), "baseline": (base.plan, base.batching)}
+    if strongest.balanced is not None:  # the decomposition's middle point: its plan with dflop's bins
+        runs["baseline_balanced"] = (base.plan, Batching.BALANCED)
     sims, infos = {}, {}
     for name, (plan, batching) in runs.items():
         sims[name], infos[name] = simulate(s, plan, steps=steps, solver=solver, out=out, name=name,
@@ -236,8 +239,9 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
                      **fields["baseline"]},
         "baselines": expected["baselines"],
         "speedup": time_of["baseline"] / time_of["dflop"],
-        "decomposition": {"plan_gain": time_of["baseline_balanced"] / time_of["dflop"],
-                          "balance_gain": time_of["baseline"] / time_of["baseline_balanced"]},
+        "decomposition": ({"plan_gain": time_of["baseline_balanced"] / time_of["dflop"],
+                           "balance_gain": time_of["baseline"] / time_of["baseline_balanced"]}
+                          if "baseline_balanced" in time_of else None),
         "expected": {"step_time_s": score(best), "baseline_step_time_s": score(base), "speedup": result.speedup,
                      "decomposition": result.decomposition, "ideal_step_time_s": result.ideal_s},
         "prediction_error": expected["prediction_error"],
@@ -252,8 +256,6 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
 
 def pick_plan(s: Setup, plan_path: Path | None, schedule: str | None, log: Log = _stderr) -> Plan:
     """The plan to simulate: a file, the config's, or the optimizer's choice."""
-    from dataclasses import replace
-
     from dflop.specs.loading import load_spec
 
     if plan_path is not None:

@@ -12,7 +12,7 @@ from dflop.errors import InfeasibleError, PlanError, SpecError
 from dflop.plan.evaluate import PlanningProblem
 from dflop.plan.search import Optimizer, optimize
 from dflop.plan.space import BASELINES, DFLOP
-from dflop.schedule.batching import Batching, arrival, modality_length, token_budget
+from dflop.schedule.batching import Batching, arrival, modality_length, synchronised, token_budget
 from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, from_mapping, presets, to_mapping
 from dflop.workload.sample import SampleTable
 
@@ -66,6 +66,18 @@ def test_modality_length_ignores_image_tokens():
     assert tokens.max() > 2 * tokens.min()  # blind to the heavy image
     packed = token_budget(batch, 2, 1)
     assert (packed == packed[0]).sum() == 1  # token packing sees it and gives it a bin of its own
+
+
+def test_bins_of_like_load_share_a_microbatch_when_replicas_meet_before_every_op():
+    """ZeRO-3 gathers before every forward and backward: microbatch k costs its heaviest bin on any
+    replica, so dflop's bins are regrouped by load (other plans keep theirs)."""
+    costs = np.array([[10.0], [1.0], [9.0], [2.0]])  # one sample per bin; bin b holds sample b
+    fsdp = Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated", microbatches=2, zero=3)
+    slots = synchronised(fsdp, np.arange(4), costs)
+    assert sorted(slots[[0, 2]] % 2) == [0, 0] and sorted(slots[[1, 3]] % 2) == [1, 1]  # 10 with 9, 2 with 1
+    assert sorted(slots[[0, 2]] // 2) == [0, 1]  # on different replicas
+    ddp = Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated", microbatches=2, zero=1)
+    assert (synchronised(ddp, np.arange(4), costs) == np.arange(4)).all()
 
 
 def test_plans_are_canonical(model, cluster):

@@ -164,9 +164,12 @@ def test_hfu_counts_recomputation(model, cluster, system_and_data):
     ratios = {}
     for recompute in ("none", "full"):
         plan = colocated(2, 4, 2, recompute=recompute)
-        timing = StepRunner(plan, system).step(0, batch, np.arange(64) % plan.bins).timing
+        runner = StepRunner(plan, system)
+        timing = runner.step(0, batch, np.arange(64) % plan.bins).timing
         mfu, hfu = summarize(timing, evaluate(timing)).utilisation(cluster.hardware.peak_flops)
         ratios[recompute] = hfu / mfu
+        traced = simulate_steps(runner, [batch], lambda i, b: np.arange(len(b)) % plan.bins, contention=False)
+        assert traced.metrics.hfu / traced.metrics.mfu == pytest.approx(ratios[recompute])  # the trace agrees
     assert ratios["none"] == pytest.approx(1.0)
     assert 1.25 < ratios["full"] < 4 / 3  # one more forward of every layer (not the head) in 3 passes
 

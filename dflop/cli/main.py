@@ -145,7 +145,7 @@ def baseline_lines(r: dict[str, Any]) -> list[str]:
     if e:
         lines.append(f"at {e['sigma']:.0%} per-sample prediction error ({e['source']}): speedup {e['speedup']:.2f}x"
                      + (f" = plan gain {e['plan_gain']:.2f}x x balance gain {e['balance_gain']:.2f}x"
-                        if "plan_gain" in e else ""))
+                        if e.get("plan_gain") else ""))
     lines += [f"warning: {w}" for w in r.get("warnings", [])]
     return lines
 
@@ -181,8 +181,9 @@ def optimize(config: Path | None, gpus: int | None, error: float | None, out: Pa
                  f"memory {p['peak_memory_gib']:.1f} of {r['usable_memory_gib']:.1f} GiB per GPU"]
         lines += baseline_lines(r)
         lines.append(f"ideal (all compute spread evenly): {r['ideal_step_time_s']:.3f} s")
-        lines += ["alternatives:"] + [f"  {a['step_time_s']:.3f} s  {a['plan']} ({a['batching']})"
-                                      for a in r["alternatives"]]
+        lines += ["alternatives (simulated where confirmed):"] + [
+            f"  {a['simulated_step_time_s'] or a['step_time_s']:.3f} s  {a['plan']} ({a['batching']})"
+            for a in r["alternatives"]]
         lines += ["why:"] + [f"  {w}" for w in r["why"]]
         lines.append(f"search: {r['search_seconds']:.1f} s; " + "; ".join(
             f"{k}: {v['enumerated']} plans, {v['pruned_memory']} too big, {v['pruned_bound']} bounded out, "
@@ -281,7 +282,7 @@ def run(config: Path | None, backend: str, steps: int | None, error: float | Non
         data = job.run(s, steps=steps or s.config.steps, out=out, progress=progress, noise=error)
 
     def human(r: dict[str, Any]) -> str:
-        b, d = r["baseline"], r["decomposition"]
+        b, d = r["baseline"], r["decomposition"] or {}
         lines = [
             f"{r['model']} on {r['gpus']} GPUs, {r['data']}, global batch {r['global_batch']}, {r['steps']} steps",
             f"dflop     {r['plan']['describe']} ({r['batching']} bins)",
@@ -292,8 +293,9 @@ def run(config: Path | None, backend: str, steps: int | None, error: float | Non
             f"          step {b['step_time_s']['mean']:.3f} s, {b['throughput_samples_per_s']:.1f} samples/s, "
             f"MFU {_pct(b['mfu'])}, HFU {_pct(b['hfu'])}, bubbles {b['bubble_fraction']:.1%}, "
             f"idle {b['idle_fraction']:.1%}",
-            f"speedup   {r['speedup']:.2f}x simulated = plan gain {d['plan_gain']:.2f}x x balance gain "
-            f"{d['balance_gain']:.2f}x (the optimizer expected {r['expected']['speedup']:.2f}x)"]
+            f"speedup   {r['speedup']:.2f}x simulated" + (f" = plan gain {d['plan_gain']:.2f}x x balance gain "
+                                                       f"{d['balance_gain']:.2f}x" if d else "")
+            + f" (the optimizer expected {r['expected']['speedup']:.2f}x)"]
         e = r["prediction_error"]
         if e:
             lines.append(f"          {e['speedup']:.2f}x expected at {e['sigma']:.0%} per-sample prediction error "

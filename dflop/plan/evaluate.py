@@ -33,7 +33,7 @@ from dflop.errors import InfeasibleError
 from dflop.program.actions import Kind
 from dflop.program.evaluate import evaluate, summarize
 from dflop.program.steps import StepRunner
-from dflop.schedule.batching import Batching, assign
+from dflop.schedule.batching import Batching, assign, synchronised
 from dflop.schedule.heuristics import lpt
 from dflop.schedule.improve import improve
 from dflop.schedule.problem import Partition, PartitionProblem, finish
@@ -103,6 +103,9 @@ class Estimate:
     hfu: list[float] = field(default_factory=list)
     """Hardware FLOPs utilisation: recomputed FLOPs count as work."""
     peak_memory: float = 0.0
+    caps: tuple[float, float] | None = None
+    """(LLM tokens, tiles) per bin dflop's bins must keep to, when not the evaluator's own caps (a
+    baseline's plan given dflop's bins keeps to the bins it was sized for)."""
     simulated: float | None = None
     """Step time in the SimPy simulator (with link contention), when confirmed."""
     infeasible: bool = False
@@ -112,9 +115,6 @@ class Estimate:
     def n(self) -> int:
         return len(self.steps)
 
-    @property
-    def data_aware(self) -> bool:
-        return self.batching is Batching.BALANCED
 
     @property
     def mean(self) -> float:
@@ -250,14 +250,16 @@ class Evaluator:
             self._runners[plan] = StepRunner(plan, self.p.system)
         return self._runners[plan]
 
-    def assignment(self, plan: Plan, i: int, batching: Batching) -> tuple[np.ndarray, float]:
+    def assignment(self, plan: Plan, i: int, batching: Batching,
+                   caps: tuple[float, float] | None = None) -> tuple[np.ndarray, float]:
         """Bins of pool batch i, as the scheduler (or a baseline's rule) makes them, and how uneven
         they are in predicted cost (largest bin over the mean)."""
         batch = self.pool[i]
         costs = plan_costs(batch, plan, self.p.model, self.p.cost)
         if batching is Batching.BALANCED:
-            schedule = schedule_batch(batch, plan, costs=costs, caps=self.caps(plan), partitioner=quick)
-            assignment, loads = schedule.assignment, schedule.partition.loads
+            limit = self.caps(plan) if caps is None else np.asarray(caps, dtype=float)
+            schedule = schedule_batch(batch, plan, costs=costs, caps=limit, partitioner=quick)
+            assignment, loads = synchronised(plan, schedule.assignment, costs), schedule.partition.loads
         else:
             assignment = self.rule_bins(batching, i, plan)
             loads = np.stack([np.bincount(assignment, weights=costs[:, d], minlength=plan.bins)
@@ -275,7 +277,7 @@ class Evaluator:
         peak = self.p.cluster.hardware.peak_flops
         for i in range(estimate.n, upto):
             try:
-                assignment, imbalance = self.assignment(estimate.plan, i, estimate.batching)
+                assignment, imbalance = self.assignment(estimate.plan, i, estimate.batching, estimate.caps)
             except InfeasibleError:
                 estimate.infeasible = True
                 return estimate

@@ -22,9 +22,8 @@ from dflop.specs.hardware import GIB, HardwareSpec
 
 
 def score(e: Estimate) -> float:
-    """The step time comparisons use: SimPy's (link contention on) when confirmed, else the fast
-    evaluator's mean."""
-    return e.simulated if e.simulated is not None else e.mean
+    """The step time comparisons use: the fast evaluator's mean over the common batches."""
+    return e.mean
 
 
 @dataclass
@@ -36,7 +35,7 @@ class Baseline:
     balanced: Estimate | None
     """That plan with dflop's balanced bins."""
     reason: str = ""
-    """Why it has no plan."""
+    """Why it has no plan (or why its plan has no balanced twin)."""
 
     @property
     def name(self) -> str:
@@ -91,9 +90,9 @@ class OptimizeResult:
         mine = self.at_error[id(self.best)]
         out = {"sigma": self.noise, "step_time_s": mine, "baseline_step_time_s": self.at_error[id(b.best)],
                "speedup": self.at_error[id(b.best)] / mine}
-        if b.balanced is not None:
-            out["plan_gain"] = self.at_error[id(b.balanced)] / mine
-            out["balance_gain"] = self.at_error[id(b.best)] / self.at_error[id(b.balanced)]
+        out["plan_gain"] = self.at_error[id(b.balanced)] / mine if b.balanced is not None else None
+        out["balance_gain"] = (self.at_error[id(b.best)] / self.at_error[id(b.balanced)]
+                               if b.balanced is not None else None)
         return out
 
     def warnings(self) -> list[str]:
@@ -109,7 +108,7 @@ class OptimizeResult:
                "mfu": float(np.mean(e.mfu)), "hfu": float(np.mean(e.hfu)), "expected_step_time_s": e.mean,
                "simulated_step_time_s": e.simulated, "peak_memory_gib": e.peak_memory / GIB,
                "bubble_fraction": float(np.mean(e.bubble)), "imbalance": float(np.mean(e.imbalance)),
-               "balanced_step_time_s": score(b.balanced) if b.balanced is not None else None, "reason": ""}
+               "balanced_step_time_s": score(b.balanced) if b.balanced is not None else None, "reason": b.reason}
         if self.at_error:
             out["step_time_at_error_s"] = self.at_error[id(e)]
         return out
@@ -150,6 +149,8 @@ def explain(result: OptimizeResult, usable: float) -> list[str]:
         if d is not None:
             out.append(f"plan gain {d['plan_gain']:.2f}x (its plan with dflop's bins: {score(b.balanced):.3f} s), "
                        f"balance gain {d['balance_gain']:.2f}x")
+        else:
+            out.append(f"no decomposition: {b.reason}")
         out.append(f"bubbles {np.mean(w.bubble):.1%} vs {np.mean(base.bubble):.1%}; bins within "
                    f"{np.mean(w.imbalance):.3f}x of the mean vs {np.mean(base.imbalance):.3f}x")
         out.append(f"peak memory {w.peak_memory / GIB:.1f} GiB vs {base.peak_memory / GIB:.1f} GiB "

@@ -45,6 +45,18 @@ def dp_group(plan: Plan, module: str, stage: int) -> list[int]:
     return [base + mp.tp * (r + mp.dp * stage) for r in range(mp.dp)]
 
 
+def closed_form(plan: Plan, virtual: int, rank_time: list[float], rank_fi: list[float],
+                rank_w: list[float]) -> float:
+    """The schedule's step time with unequal ranks (per microbatch: ``rank_time`` in all, forward +
+    input gradients ``rank_fi``, weight gradients ``rank_w``)."""
+    m, bottleneck = plan.microbatches, max(rank_time)
+    if virtual > 1:
+        return (m + (plan.llm.pp - 1) / virtual) * bottleneck
+    if plan.schedule in ("ZBH1", "InterleavedZeroBubble"):
+        return m * bottleneck + sum(a - b for a, b in zip(rank_fi[:-1], rank_w[:-1]))
+    return (m - 1) * bottleneck + sum(rank_time)
+
+
 class Screener:
     def __init__(self, evaluator: Evaluator, bound_batches: int) -> None:
         self.ev, self.p = evaluator, evaluator.p
@@ -150,14 +162,7 @@ class Screener:
             comm = self._group_comm(plan, module, local, params)
             if comm is not None:
                 rank_time[-1] += self._exposed(plan, comm, parts, i + w) / plan.microbatches
-        m = plan.microbatches
-        bottleneck = max(rank_time)
-        if virtual > 1:
-            estimate = (m + (plan.llm.pp - 1) / virtual) * bottleneck
-        elif plan.schedule in ("ZBH1", "InterleavedZeroBubble"):
-            estimate = m * bottleneck + sum(a - b for a, b in zip(rank_fi[:-1], rank_w[:-1]))
-        else:
-            estimate = (m - 1) * bottleneck + sum(rank_time)
+        estimate = closed_form(plan, virtual, rank_time, rank_fi, rank_w)
         hidden = model.llm.hidden * p.training.activation_bytes * avg_tokens / plan.llm.tp
         estimate += 2 * (ranks - 1) * float(p2p_time(hidden, hw.inter_node_bandwidth * plan.llm.tp,
                                                       hw.inter_node_latency))

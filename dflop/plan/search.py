@@ -13,17 +13,20 @@ bins; each baseline space with each baseline batching rule):
    ``budget`` evaluations (``exhaustive`` evaluates everything the bound allows);
 4. refine the leaders with more batches until the paired confidence interval
    separates them from the best (or ``most`` batches);
-5. re-run the best few in the SimPy simulator (link contention included), when
-   a ``confirm`` function is given, and pick the fastest there.
+5. time the best few of every search on all ``most`` batches, so that the
+   final comparisons are paired (the same batches for every plan and rule).
 
-Every baseline's best plan is then also timed with dflop's bins; those, and
+Every baseline's best plan is then also timed with dflop's bins (kept, where
+dflop's usual bins would not fit it, to the bin sizes it was sized for); those, and
 the baselines as they are, join dflop's candidates (dflop's space contains
 every baseline space), so dflop's choice is never slower than a baseline under
 the same model. The speedup is against the strongest baseline; it splits into
 a *plan gain* (dflop's plan vs the strongest baseline's plan, both with dflop's
 bins) and a *balance gain* (that plan with dflop's bins vs with its own rule).
 With a prediction error, the chosen plans are timed again on batches whose
-costs differ from the predictions the bins were made from.
+costs differ from the predictions the bins were made from. A ``confirm``
+function (SimPy, link contention on) adds simulated times of dflop's choice
+and the strongest baseline, for the report; choices use the fast evaluator.
 """
 
 from __future__ import annotations
@@ -202,11 +205,19 @@ class Optimizer:
             for e in open_ + ([best] if best.n < self.most else []):
                 self.ev.extend(e, min(self.most, e.n + self.first))
 
+    def _settle(self, estimates: list[Estimate]) -> list[Estimate]:
+        """``estimates`` timed on all ``most`` batches (the same for every one), those that still
+        fit, fastest first: the final comparisons are paired, never between different batches."""
+        for e in estimates:
+            self.ev.extend(e, self.most)
+        return sorted((e for e in estimates if not e.infeasible and e.peak_memory <= self.usable), key=score)
+
     def _confirm(self, estimates: list[Estimate]) -> None:
+        """SimPy's step times (link contention on), reported beside the fast evaluator's."""
         if self.confirm is None:
             return
         for e in estimates:
-            if e.simulated is None:
+            if e is not None and e.simulated is None:
                 e.simulated = self.confirm(e.plan, e.batching)
 
     def ideal(self) -> float:
@@ -228,36 +239,45 @@ class Optimizer:
                     out.append(Baseline(space.name, rule, None, None, str(exc)))
                     continue
                 stats[f"{space.name}:{rule}"] = r.stats
-                self._confirm(r.ranked[:self.confirm_top])
-                best = r.best
-                balanced = self.ev.extend(Estimate(best.plan, Batching.BALANCED, best.lower_bound), best.n)
-                if balanced.infeasible or balanced.peak_memory > self.usable:
-                    balanced = None
-                else:
-                    self._confirm([balanced])
-                out.append(Baseline(space.name, rule, best, balanced, ""))
+                settled = self._settle(r.ranked[:self.confirm_top])
+                if not settled:
+                    out.append(Baseline(space.name, rule, None, None, "its best plans outgrow memory on later batches"))
+                    continue
+                best = settled[0]
+                balanced = self._twin(best, rule)
+                out.append(Baseline(space.name, rule, best, balanced,
+                                    "" if balanced else "its plan does not fit with dflop's bins"))
         return out, stats
+
+    def _twin(self, best: Estimate, rule: Batching) -> Estimate | None:
+        """A baseline's plan with dflop's bins: within dflop's usual bin caps, or, where those bins
+        would not fit that plan's memory, within the largest bins its own rule made."""
+        for caps in (None, self.ev.worst_bins(best.plan, rule)):
+            twin = self.ev.extend(Estimate(best.plan, Batching.BALANCED, best.lower_bound, caps=caps), self.most)
+            if not twin.infeasible and twin.peak_memory <= self.usable:
+                return twin
+        return None
 
     def run(self, spaces: tuple[Space, ...] = (DFLOP,), baselines: tuple[Space, ...] = BASELINES,
             rules: tuple[Batching, ...] = tuple(RULES)) -> OptimizeResult:
         start = time.perf_counter()
         mine = [self.search(s) for s in spaces]
         stats = {f"{r.space}:{r.batching}": r.stats for r in mine}
-        pool = sorted((e for r in mine for e in r.ranked), key=lambda e: e.mean)
-        self._confirm(pool[:self.confirm_top])
+        pool = self._settle(sorted((e for r in mine for e in r.ranked), key=score)[:self.confirm_top])
         base, base_stats = self.baselines(baselines, rules)
         stats.update(base_stats)
         pool += [e for b in base for e in (b.best, b.balanced) if e is not None]
-        judged = [e for e in pool if e.simulated is not None] if self.confirm else pool
-        winner = min(judged, key=score)
-        alternatives = [e for e in sorted(judged, key=score) if e is not winner][:5]
-        result = OptimizeResult(winner, alternatives, base, stats, time.perf_counter() - start, self.ideal(),
-                                self.p.cluster.hardware)
+        unique = {(e.plan, e.batching): e for e in sorted(pool, key=score, reverse=True)}  # keep the fastest
+        ranked = sorted(unique.values(), key=score)
+        result = OptimizeResult(ranked[0], ranked[1:6], base, stats, 0.0, self.ideal(), self.p.cluster.hardware)
+        self._confirm([result.best] + ([result.strongest.best, result.strongest.balanced] if result.strongest else []))
         if self.noisy is not None:
             result.noise = self.noisy.noise
-            for e in result.judged():
-                result.at_error[id(e)] = self.noisy.extend(Estimate(e.plan, e.batching, e.lower_bound), e.n).mean
+            for e in result.judged():  # every one on the same ``most`` batches
+                again = Estimate(e.plan, e.batching, e.lower_bound, caps=e.caps)
+                result.at_error[id(e)] = self.noisy.extend(again, self.most).mean
         result.why = explain(result, self.usable)
+        result.seconds = time.perf_counter() - start
         return result
 
 

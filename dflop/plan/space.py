@@ -255,8 +255,9 @@ class SpaceBuilder:
             quantum = (self.n // 32) // self.per_node * self.per_node
         return [e for e in range(quantum, self.n, quantum) if e % llm_tp == 0]
 
-    def _layouts(self, space: Space, skip_split: Callable[[int], bool]) -> Iterator[tuple[int, int, int, int, int, int]]:
-        """(llm tp, pp, dp, encoder tp, pp, dp) of every disaggregated layout the space allows."""
+    def _layouts(self, space: Space, skip_split: Callable[[int], bool]) -> Iterator[tuple[tuple[int, ...], Encoder]]:
+        """(llm tp, pp, dp, encoder tp, pp, dp) of every disaggregated layout the space allows, and
+        which kind of layout it is."""
         model, seen = self.p.model, set()
         for tp in self.llm_tp:
             for pp in self._pp_options(model.llm.layers, PP_OPTIONS):
@@ -269,7 +270,7 @@ class SpaceBuilder:
                             dp = self.n // per_replica
                             if self.n % per_replica == 0 and (dp * epp * etp) % tp == 0:
                                 seen.add(key := (tp, pp, dp, etp, epp, dp))
-                                yield key
+                                yield key, Encoder.STAGE
                 if Encoder.FREE not in space.encoder:
                     continue
                 for enc_gpus in self.encoder_gpu_options(tp):
@@ -281,17 +282,19 @@ class SpaceBuilder:
                             if enc_gpus % (etp * epp) == 0:
                                 key = (tp, pp, dp, etp, epp, enc_gpus // (etp * epp))
                                 if key not in seen:
-                                    yield key
+                                    yield key, Encoder.FREE
 
     def _disaggregated(self, space: Space, skip_split: Callable[[int], bool]) -> Iterator[Plan]:
         if not space.encoder:
             return
-        for tp, pp, dp, etp, epp, edp in self._layouts(space, skip_split):
+        for (tp, pp, dp, etp, epp, edp), layout in self._layouts(space, skip_split):
+            # Megatron's layouts with Megatron's splits; dflop's own with the balanced split only
+            how = replace(space, layers=(Layers.BALANCED,)) if layout is Encoder.FREE else space
             for m in self.microbatches(dp, pp, False):
                 bin_samples = self.batch / (dp * m)
                 chunk = self.batch * self.mean_tiles / (edp * m)
-                llm = self._splits_of(space, lambda how: self.llm_split(tp, pp, bin_samples, None, how))
-                enc = self._splits_of(space, lambda how: self.encoder_split(etp, epp, chunk, how))
+                llm = self._splits_of(how, lambda h: self.llm_split(tp, pp, bin_samples, None, h))
+                enc = self._splits_of(how, lambda h: self.encoder_split(etp, epp, chunk, h))
                 for schedule, _ in self._schedules(space, pp + epp):
                     if schedule.lower().startswith("interleaved"):
                         continue  # virtual stages need colocated placement

@@ -5,7 +5,8 @@ checks what a runtime really executes, communication included:
 
 - *complete*: every (template op, replica) runs once on its worker; every send
   has exactly one matching receive on its peer (same tensor, opposite kind);
-  every node a node depends on on the same worker comes earlier in its order;
+  every node a node depends on on the same worker comes earlier in its order,
+  and so does the compute node an overlapping collective is anchored on;
   every collective has one member per participating worker;
 - *deadlock-free under blocking point-to-point*: a dry run in which posting a
   receive never blocks, a send completes only once its peer has posted the
@@ -60,6 +61,11 @@ def _completeness(graph: StepGraph) -> list[str]:
         for d in graph.deps[n]:
             if nodes[d].worker == node.worker and position[d] >= position[n]:
                 problems.append(f"w{node.worker} runs {node.label} before {nodes[d].label}, which it needs")
+    for n, a in enumerate(graph.anchor):
+        if a >= 0 and (not nodes[a].kind.is_compute or nodes[a].worker != nodes[n].worker
+                       or position[a] >= position[n]):
+            problems.append(f"w{nodes[n].worker} {nodes[n].label} overlaps {nodes[a].label}, which is not an "
+                            "earlier compute node of its worker")
     for c, members in enumerate(graph.collectives):
         if len({nodes[m].worker for m in members}) != len(members):
             problems.append(f"collective {c} has two members on one worker")

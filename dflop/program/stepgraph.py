@@ -10,12 +10,9 @@ made explicit:
 - ``BRIDGE_SEND_*`` / ``BRIDGE_RECV_*`` between encoder and LLM replicas of a
   disaggregated plan, one pair per (encoder replica, LLM replica) that share
   samples in a microbatch (the routes come from the step schedule);
-- data-parallel collectives over the replicas of a pipeline rank
-  (``collectives.py`` says which, by ZeRO stage): ``REDUCE_GRAD`` (gradient
-  all-reduce, or reduce-scatter plus the weights' all-gather) and ``UNSHARD``
-  (FSDP's exposed first-layer gather before a forward or backward). ``RESHARD``
-  is never emitted: a sharded stage's gathered weights are freed inside the op
-  that used them, which the costs account for.
+- data-parallel collectives over the replicas of a pipeline rank, by ZeRO
+  stage (``collectives.py``): ``REDUCE_GRAD`` and FSDP's ``UNSHARD`` (never
+  ``RESHARD``: gathered weights are freed inside the op that used them).
 
 Sends and receives are placed as torch.distributed.pipelining places them: a
 send right after the compute that produces its tensor, the matching receive
@@ -34,13 +31,11 @@ previous compute node of its worker (one compute stream), its data inputs, the
 matching send for a receive, the previous collective of its worker (one
 collective stream). A compute op's inputs include the ``UNSHARD`` before it.
 
-Overlap is one more edge: a ``REDUCE_GRAD`` has an ``anchor``, the compute node
-whose backward fills its gradient buckets; it starts ``lag`` after the anchor
-*starts* (a start-to-start edge; ``lag`` is a cost), not after it ends, and
-runs beside it on the collective stream. A runtime launches it as the anchor
-produces gradients (DDP's bucket hooks) and waits for it where it stands in
-the order: after the anchor, before the worker's next compute op (at the end
-for ZeRO-0/1).
+Overlap is one more edge: a ``REDUCE_GRAD``'s ``anchor`` is the compute node
+whose backward fills its buckets; it starts ``lag`` (a cost) after the anchor
+*starts*, beside it. A runtime launches it as the anchor produces gradients
+(DDP's bucket hooks) and waits for it where it stands in the order: after the
+anchor, before the worker's next compute op (last for ZeRO-0/1).
 
 Costs are a separate set of arrays (``costs.py``); the simulator runs (graph,
 costs), the torch backend runs ``order[worker]``.

@@ -32,6 +32,7 @@ from typing import Callable
 
 import numpy as np
 
+from dflop.specs.plan import Plan
 from dflop.workload.sample import SampleTable
 
 
@@ -95,6 +96,29 @@ def token_budget(batch: SampleTable, replicas: int, microbatches: int) -> np.nda
         members = np.flatnonzero(chunk == crowded)
         chunk[members[np.argmin(tokens[members])]] = empty
     return _dispatch(bins, replicas, microbatches)[chunk]
+
+
+def synchronised(plan: Plan, assignment: np.ndarray, costs: np.ndarray) -> np.ndarray:
+    """dflop's bins re-slotted for a plan whose replicas meet before every op (ZeRO-3: each
+    forward and backward starts with a gather over the replicas): microbatch k then costs its
+    heaviest bin on any replica, so bins of like load share a microbatch index (the heaviest
+    ``replicas`` bins are microbatch 0, and so on), each to the replica with the least so far.
+    Other plans' bins are returned as they are."""
+    replicas, m = plan.llm.dp, plan.microbatches
+    if plan.zero != 3 or replicas < 2:
+        return assignment
+    bins = replicas * m
+    load = np.stack([np.bincount(assignment, weights=costs[:, d], minlength=bins)
+                     for d in range(costs.shape[1])], axis=1).max(axis=1)
+    slot = np.empty(bins, dtype=np.int64)
+    totals = np.zeros(replicas)
+    heaviest = np.argsort(-load, kind="stable")
+    for k in range(m):
+        group = heaviest[k * replicas:(k + 1) * replicas]
+        for b, r in zip(group, np.argsort(totals, kind="stable")):
+            slot[b] = r * m + k
+            totals[r] += load[b]
+    return slot[assignment]
 
 
 Rule = Callable[[SampleTable, int, int], np.ndarray]

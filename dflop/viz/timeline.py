@@ -61,7 +61,7 @@ def _draw(ax: Any, doc: dict[str, Any], rows: list[int], scale: float, title: st
         ax.broken_barh([(0, end)], (y - 0.4, 0.8), facecolors=COLORS["idle"], zorder=0)
     names = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "backward (weights)",
              "comm:p2p": "p2p transfer", "comm:bridge": "encoder->LLM bridge",
-             "comm:reduce_grad": "DP gradient reduction", "comm:unshard": "FSDP first gather",
+             "comm:recv": "receive", "comm:reduce_grad": "DP gradient reduction", "comm:unshard": "FSDP first gather",
              "comm:overlapped": "FSDP gathers/reductions beside compute"}
     for key, items in sorted(bars.items()):
         by_row: dict[int, list[tuple[float, float]]] = {}
