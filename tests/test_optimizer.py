@@ -143,3 +143,19 @@ def test_balanced_split_is_optimal(layers, per_layer, extras):
 
     best = min(cost(c) for c in itertools.product(range(1, layers + 1), repeat=len(extras)) if sum(c) == layers)
     assert cost(split) <= best * (1 + 1e-9)
+
+
+def test_quick_starts_from_a_given_feasible_assignment_when_lpt_finds_no_room():
+    """A baseline's plan with dflop's bins is kept to the largest bins its own rule made; LPT
+    can paint itself into a corner under such tight caps, so the search starts from the rule's
+    bins (which fit by construction) and only improves on them."""
+    from dflop.plan.evaluate import quick
+    from dflop.schedule.problem import PartitionProblem
+    sizes = np.array([[3.0], [3.0], [2.0], [2.0], [2.0]])
+    problem = PartitionProblem(sizes, 2, sizes, np.array([6.0]), tuple(range(5)))
+    with pytest.raises(InfeasibleError):
+        quick(problem)
+    start = np.array([0, 0, 1, 1, 1])
+    got = quick(problem, start)
+    assert sorted(np.bincount(got.assignment, weights=sizes[:, 0]).tolist()) == [6.0, 6.0]
+    assert got.makespan == 6.0

@@ -103,9 +103,9 @@ class Estimate:
     hfu: list[float] = field(default_factory=list)
     """Hardware FLOPs utilisation: recomputed FLOPs count as work."""
     peak_memory: float = 0.0
-    caps: tuple[float, float] | None = None
-    """(LLM tokens, tiles) per bin dflop's bins must keep to, when not the evaluator's own caps (a
-    baseline's plan given dflop's bins keeps to the bins it was sized for)."""
+    within: Batching | None = None
+    """dflop's bins kept within the largest bins this baseline rule makes (not the evaluator's own
+    caps): a baseline's plan given dflop's bins, sized as it was sized."""
     simulated: float | None = None
     """Step time in the SimPy simulator (with link contention), when confirmed."""
     infeasible: bool = False
@@ -114,7 +114,6 @@ class Estimate:
     @property
     def n(self) -> int:
         return len(self.steps)
-
 
     @property
     def mean(self) -> float:
@@ -136,15 +135,21 @@ class Estimate:
                 "simulated_step_time_s": self.simulated}
 
 
-def quick(problem: PartitionProblem) -> Partition:
-    """The scheduler's heuristic path with bounded effort: LPT, then local search with the 64
-    lightest partners until within 0.1% of the bound or K rounds. Deterministic; ranks plans as the full scheduler would,
-    at a fraction of its cost on batches of thousands of samples."""
-    start = time.perf_counter()
+def quick(problem: PartitionProblem, start: np.ndarray | None = None) -> Partition:
+    """The scheduler's heuristic path with bounded effort: LPT (or ``start``, when LPT finds no
+    room under the caps), then local search with the 64 lightest partners until within 0.1% of
+    the bound or K rounds. Deterministic; ranks plans as the full scheduler would, at a fraction
+    of its cost on batches of thousands of samples."""
+    began = time.perf_counter()
     target = problem.lower_bound() * (1 + QUICK_GAP)
-    assignment = improve(problem, lpt(problem), target=target, max_rounds=problem.bins,
-                         every_partner=False)
-    return finish(problem, assignment, "quick", time.perf_counter() - start, searched=True)
+    try:
+        first = lpt(problem)
+    except InfeasibleError:
+        if start is None:
+            raise
+        first = np.asarray(start, dtype=np.int64).copy()
+    assignment = improve(problem, first, target=target, max_rounds=problem.bins, every_partner=False)
+    return finish(problem, assignment, "quick", time.perf_counter() - began, searched=True)
 
 
 @lru_cache(maxsize=256)
@@ -251,14 +256,18 @@ class Evaluator:
         return self._runners[plan]
 
     def assignment(self, plan: Plan, i: int, batching: Batching,
-                   caps: tuple[float, float] | None = None) -> tuple[np.ndarray, float]:
+                   within: Batching | None = None) -> tuple[np.ndarray, float]:
         """Bins of pool batch i, as the scheduler (or a baseline's rule) makes them, and how uneven
         they are in predicted cost (largest bin over the mean)."""
         batch = self.pool[i]
         costs = plan_costs(batch, plan, self.p.model, self.p.cost)
         if batching is Batching.BALANCED:
-            limit = self.caps(plan) if caps is None else np.asarray(caps, dtype=float)
-            schedule = schedule_batch(batch, plan, costs=costs, caps=limit, partitioner=quick)
+            if within is None:
+                caps, partitioner = self.caps(plan), quick
+            else:  # within a baseline's largest bins: from its own bins when LPT finds no room
+                start = self.rule_bins(within, i, plan)
+                caps, partitioner = np.array(self.worst_bins(plan, within)), lambda p: quick(p, start)
+            schedule = schedule_batch(batch, plan, costs=costs, caps=caps, partitioner=partitioner)
             assignment, loads = synchronised(plan, schedule.assignment, costs), schedule.partition.loads
         else:
             assignment = self.rule_bins(batching, i, plan)
@@ -277,7 +286,7 @@ class Evaluator:
         peak = self.p.cluster.hardware.peak_flops
         for i in range(estimate.n, upto):
             try:
-                assignment, imbalance = self.assignment(estimate.plan, i, estimate.batching, estimate.caps)
+                assignment, imbalance = self.assignment(estimate.plan, i, estimate.batching, estimate.within)
             except InfeasibleError:
                 estimate.infeasible = True
                 return estimate

@@ -252,8 +252,8 @@ class Optimizer:
     def _twin(self, best: Estimate, rule: Batching) -> Estimate | None:
         """A baseline's plan with dflop's bins: within dflop's usual bin caps, or, where those bins
         would not fit that plan's memory, within the largest bins its own rule made."""
-        for caps in (None, self.ev.worst_bins(best.plan, rule)):
-            twin = self.ev.extend(Estimate(best.plan, Batching.BALANCED, best.lower_bound, caps=caps), self.most)
+        for within in (None, rule):
+            twin = self.ev.extend(Estimate(best.plan, Batching.BALANCED, best.lower_bound, within=within), self.most)
             if not twin.infeasible and twin.peak_memory <= self.usable:
                 return twin
         return None
@@ -267,14 +267,14 @@ class Optimizer:
         base, base_stats = self.baselines(baselines, rules)
         stats.update(base_stats)
         pool += [e for b in base for e in (b.best, b.balanced) if e is not None]
-        unique = {(e.plan, e.batching): e for e in sorted(pool, key=score, reverse=True)}  # keep the fastest
+        unique = {(e.plan, e.batching, e.within): e for e in sorted(pool, key=score, reverse=True)}
         ranked = sorted(unique.values(), key=score)
         result = OptimizeResult(ranked[0], ranked[1:6], base, stats, 0.0, self.ideal(), self.p.cluster.hardware)
         self._confirm([result.best] + ([result.strongest.best, result.strongest.balanced] if result.strongest else []))
         if self.noisy is not None:
             result.noise = self.noisy.noise
             for e in result.judged():  # every one on the same ``most`` batches
-                again = Estimate(e.plan, e.batching, e.lower_bound, caps=e.caps)
+                again = Estimate(e.plan, e.batching, e.lower_bound, within=e.within)
                 result.at_error[id(e)] = self.noisy.extend(again, self.most).mean
         result.why = explain(result, self.usable)
         result.seconds = time.perf_counter() - start
