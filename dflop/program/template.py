@@ -24,14 +24,14 @@ from dflop.errors import DflopError
 from dflop.program.actions import Action, Kind, Program
 from dflop.program.check import check_program
 from dflop.program.schedules import build
-from dflop.specs.plan import Plan
+from dflop.specs.plan import Module, Plan
 
 
 @dataclass(frozen=True)
 class Group:
     index: int
-    module: str
-    """'encoder' or 'llm' (a colocated LLM stage 0 also carries the encoder)."""
+    module: Module
+    """The module of this pipeline rank (a colocated LLM stage 0 also carries the encoder)."""
     rank: int
     """Pipeline rank within its module."""
     replicas: int
@@ -73,10 +73,10 @@ class Template:
     def colocated(self) -> bool:
         return self.encoder_stages == 0
 
-    def module_stage(self, program_stage: int) -> tuple[str, int]:
+    def module_stage(self, program_stage: int) -> tuple[Module, int]:
         if program_stage < self.encoder_stages:
-            return "encoder", program_stage
-        return "llm", program_stage - self.encoder_stages
+            return Module.ENCODER, program_stage
+        return Module.LLM, program_stage - self.encoder_stages
 
 
 @lru_cache(maxsize=512)
@@ -106,10 +106,10 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
     groups = []
     for rank in range(program.num_ranks):
         stages = program.stages_of(rank)
-        module = "encoder" if stages[0] < encoder_stages else "llm"
-        offset = 0 if module == "encoder" else encoder_stages
+        module = Module.ENCODER if stages[0] < encoder_stages else Module.LLM
+        offset = 0 if module is Module.ENCODER else encoder_stages
         mp = plan.module(module)
-        groups.append(Group(rank, module, rank - (0 if module == "encoder" else encoder_stages),
+        groups.append(Group(rank, module, rank - (0 if module is Module.ENCODER else encoder_stages),
                             mp.dp, mp.tp, tuple(s - offset for s in stages)))
 
     index: dict[Action, int] = {}
