@@ -49,8 +49,9 @@ class VisionBlock(nn.Module):
         tiles, length, _ = x.shape
         a = self.norm1(x)
         q, k, v = self.q_norm(self.q(a)), self.k_norm(self.k(a)), self.v(a)
-        # -1 heads: the local count when tensor parallelism has sharded the projections
-        split = lambda t: t.view(tiles, length, -1, self.spec.head_dim).transpose(1, 2)  # noqa: E731
+        # width // head_dim heads: the local count when tensor parallelism has sharded the projections
+        split = lambda t: t.view(tiles, length, t.shape[-1] // self.spec.head_dim,  # noqa: E731
+                                  self.spec.head_dim).transpose(1, 2)
         a = F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(1, 2).reshape(tiles, length, -1)
         a = self.proj(a)
         x = x + (a * self.ls1 if self.ls1 is not None else a)
