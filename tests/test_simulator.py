@@ -11,6 +11,7 @@ from dflop.cost import AnalyticalCostModel
 from dflop.program.costing import StepBuilder, stage_times_timing
 from dflop.program.evaluate import evaluate, summarize
 from dflop.program.graph import expand, longest_path
+from dflop.program.overlap import Overlap, with_overlap
 from dflop.program.schedules import build
 from dflop.program.template import build_template
 from dflop.sim import execute, simulate_pipeline
@@ -52,10 +53,13 @@ def test_zero_bubble_h1_beats_1f1b_as_published(p, extra, unit):
 
 
 def random_pipeline(draw):
-    name = draw(st.sampled_from(["GPipe", "1F1B", "ZBH1", "Interleaved1F1B"]))
+    name = draw(st.sampled_from(["GPipe", "1F1B", "ZBH1", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble",
+                                 "DualPipeV"]))
     p = draw(st.integers(1, 5))
-    v = draw(st.integers(2, 3)) if name == "Interleaved1F1B" else 1
+    v = {"Interleaved1F1B": draw(st.integers(2, 3)), "LoopedBFS": draw(st.integers(1, 3)), "ZBVZeroBubble": 2,
+         "DualPipeV": 2}.get(name, 1)
     m = p * draw(st.integers(1, 3)) if name == "Interleaved1F1B" else draw(st.integers(1, 8))
+    m = max(m, 2 * p) if name == "DualPipeV" else m
     program = build(name, p, m, v)
     plan = Plan(encoder=ModulePlan(), llm=ModulePlan(pp=p), placement="colocated", microbatches=m,
                 schedule=program.name, virtual_stages=v)
@@ -71,10 +75,11 @@ def pipelines(draw):
     return random_pipeline(draw)
 
 
-@given(pipelines(), st.booleans())
-def test_execution_invariants(case, contention):
+@given(pipelines(), st.booleans(), st.sampled_from(list(Overlap)))
+def test_execution_invariants(case, contention, overlap):
     template, (f, i, w), p2p = case
-    graph = expand(stage_times_timing(template, f, i, w, p2p))
+    timing = with_overlap(stage_times_timing(template, f, i, w, p2p), overlap)
+    graph = expand(timing)
     ex = execute(graph, contention=contention)
     compute = [o for o in range(len(graph)) if graph.worker[o] >= 0]
     assert sorted(compute) == sorted(o for ops in graph.order for o in ops)  # every op once
@@ -90,7 +95,7 @@ def test_execution_invariants(case, contention):
     assert ex.makespan >= busiest
     assert ex.makespan >= int(end.max())  # at least the longest dependency chain
     if not contention:
-        assert ex.makespan == int(end.max())
+        assert ex.makespan == int(end.max()) == evaluate(timing).step_ns
 
 
 @given(pipelines(), st.integers(2, 5))
