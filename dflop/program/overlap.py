@@ -2,16 +2,19 @@
 
 The step ``(F;B)OVERLAP_F_B`` pairs the forward of one microbatch with the
 backward of another on the same rank. The template lays it out as its two
-sub-actions back to back, starting once the inputs of both are there. Then:
+sub-actions back to back, each waiting for its own input and handing on its
+output when it ends. Then:
 
 - ``sequential``: the two run one after the other, ``F + B``. This is what
-  torch's runtime does unless a custom overlapped function is registered.
+  torch's runtime does unless a custom overlapped function is registered
+  (torch also posts the pair's sends after both; where sends go is the
+  lowering's business, not the cost's).
 - ``overlapped``: the two hide each other, so the pair takes ``max(F, B)``
-  (DualPipe's point: one chunk's communication, e.g. MoE all-to-all, runs
-  behind the other's compute; with no communication to hide it is the bound a
-  perfect overlap could reach). Both sub-actions are scaled by
-  ``max(F, B) / (F + B)``, so the trace still shows which is which and the
-  backward's output leaves at the pair's end.
+  when both inputs are there (DualPipe's point: one chunk's communication,
+  e.g. MoE all-to-all, runs behind the other's compute; with nothing to hide
+  it is the bound a perfect overlap reaches). Both sub-actions are scaled by
+  ``max(F, B) / (F + B)``, so the trace still shows which is which; a backward
+  whose input comes late still waits for it.
 """
 
 from __future__ import annotations

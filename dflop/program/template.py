@@ -14,9 +14,8 @@ encoded by whichever encoder replicas held them. Colocated placement runs the
 encoder inside LLM stage 0.
 
 An overlapped step ``(F;B)OVERLAP_F_B`` becomes its sub-actions, one op each,
-back to back; they are marked as a pair (``overlap``) and the first also waits
-for the inputs of the second, as the step starts once all its inputs are there.
-How long the pair takes is the cost layer's choice (:mod:`dflop.program.overlap`).
+back to back, marked as a pair (``overlap``); how long the pair takes is the
+cost layer's choice (:mod:`dflop.program.overlap`).
 """
 
 from __future__ import annotations
@@ -160,8 +159,7 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
         local = s - (0 if s < encoder_stages else encoder_stages)
         ops.append(TemplateOp(i, rank, a, local, prev, tuple(deps), bridge))
     for first, second in pairs:
-        extra = tuple(d for d in ops[second].deps if d not in ops[first].deps and d != first)
-        ops[first] = replace(ops[first], deps=ops[first].deps + extra, overlap=second)
+        ops[first] = replace(ops[first], overlap=second)
         ops[second] = replace(ops[second], overlap=first)
 
     last = [-1] * len(groups)
