@@ -113,13 +113,12 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[Worker, G
     template = build_template(plan)
     layout = RankLayout.of(build_workers(template), rank)
     groups = Groups(plan, layout, device.type)
-    llm = plan.llm
     tied = model.llm.tie_embeddings and plan.stages("llm") > 1
-    if tied:
+    first, last = _llm_end_groups(template)
+    if tied and first is not last:  # embedding and head on different ranks: a group per pair
         gpus = place(plan)
-        last_rank = (plan.stages("llm") - 1) % llm.pp
-        groups.tied_embedding_groups([gpus.gpus(Module.LLM, 0, x) for x in range(llm.dp)],
-                                     [gpus.gpus(Module.LLM, last_rank, x) for x in range(llm.dp)])
+        groups.tied_embedding_groups([gpus.gpus(Module.LLM, first.rank, x) for x in range(first.replicas)],
+                                     [gpus.gpus(Module.LLM, last.rank, x) for x in range(last.replicas)])
     dtype = getattr(torch, opts.dtype)
     stages, encoder = _stage_modules(plan, model, template, layout.worker, opts.seed, device, dtype)
     gw = build_workers(template)[layout.worker]
@@ -137,20 +136,30 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[Worker, G
     return worker, groups, template, optimizer, info
 
 
+def _llm_end_groups(template: Template):  # noqa: ANN202 - (Group, Group)
+    """The template groups holding the LLM's first and last stages (one group under V placement)."""
+    llm = [g for g in template.groups if g.module is Module.LLM]
+    last_stage = max(s for g in llm for s in g.stages)
+    return (next(g for g in llm if 0 in g.stages), next(g for g in llm if last_stage in g.stages))
+
+
 def _sync_tied_embedding(worker: Worker, groups: Groups, template: Template, gw) -> None:  # noqa: ANN001
-    """The embedding (first LLM stage) and the head (last LLM stage) are one matrix: add their gradients."""
+    """The embedding (first LLM stage) and the head (last LLM stage) are one matrix: their gradients
+    are added, on the rank when it holds both (V placement), across ranks otherwise."""
     from dflop.backends.torch_runtime.parallel import local
 
-    key = (gw.replica, worker.layout.tp_index)
-    if key not in groups.tied:
-        return
+    tied = []
     for s, module in worker.stages.items():
-        kind, _ = template.module_stage(s)
-        if kind is not Module.LLM:
-            continue
-        for p in (module.embed.weight if module.first else None, module.head.weight if module.last else None):
-            if p is not None and p.grad is not None:
-                dist.all_reduce(local(p.grad), group=groups.tied[key])
+        if template.module_stage(s)[0] is Module.LLM:
+            tied += [p for p in (module.embed.weight if module.first else None,
+                                 module.head.weight if module.last else None) if p is not None]
+    tied = [p for i, p in enumerate(tied) if p.grad is not None and all(p is not q for q in tied[:i])]
+    if len(tied) == 2:
+        total = local(tied[0].grad) + local(tied[1].grad)
+        for p in tied:
+            local(p.grad).copy_(total)
+    elif tied and (gw.replica, worker.layout.tp_index) in groups.tied:
+        dist.all_reduce(local(tied[0].grad), group=groups.tied[(gw.replica, worker.layout.tp_index)])
 
 
 def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:

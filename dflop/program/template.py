@@ -12,12 +12,16 @@ LLM stages behind it); the *bridge* from the last encoder stage to the first
 LLM stage connects replicas many-to-many, as the samples of each LLM bin were
 encoded by whichever encoder replicas held them. Colocated placement runs the
 encoder inside LLM stage 0.
+
+An overlapped step ``(F;B)OVERLAP_F_B`` becomes its sub-actions, one op each,
+back to back, marked as a pair (``overlap``); how long the pair takes is the
+cost layer's choice (:mod:`dflop.program.overlap`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from dflop.errors import DflopError
@@ -54,6 +58,8 @@ class TemplateOp:
     """Ops of the same replica that must finish first (data dependencies)."""
     bridge: int
     """Op on the other side of the encoder-LLM bridge that must finish first (-1 if none)."""
+    overlap: int = -1
+    """The other op of the same OVERLAP_F_B step (-1 if none)."""
 
 
 @dataclass(frozen=True)
@@ -114,14 +120,18 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
 
     index: dict[Action, int] = {}
     flat: list[tuple[int, Action, int]] = []
+    pairs: list[tuple[int, int]] = []
     for rank, actions in enumerate(program.ranks):
         prev = -1
-        for a in actions:
-            if not a.kind.is_compute:
+        for action in actions:
+            if not action.kind.is_compute:
                 continue
-            index[a] = len(flat)
-            flat.append((rank, a, prev))
-            prev = index[a]
+            for a in action.parts:
+                index[a] = len(flat)
+                flat.append((rank, a, prev))
+                prev = index[a]
+            if action.sub_actions:
+                pairs.append((index[action.parts[0]], index[action.parts[1]]))
     split = {(a.stage, a.microbatch) for a in index if a.kind is Kind.I}
 
     def backward(stage: int, k: int) -> int:
@@ -148,6 +158,9 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
             deps.append(index[Action(s, Kind.I, k)])
         local = s - (0 if s < encoder_stages else encoder_stages)
         ops.append(TemplateOp(i, rank, a, local, prev, tuple(deps), bridge))
+    for first, second in pairs:
+        ops[first] = replace(ops[first], overlap=second)
+        ops[second] = replace(ops[second], overlap=first)
 
     last = [-1] * len(groups)
     for op in ops:
