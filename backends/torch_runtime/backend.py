@@ -13,12 +13,14 @@ names the rank, the step and the node it was at.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -87,10 +89,11 @@ class TorchBackend:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"dflop-{uuid.uuid4().hex[:8]}",
                               rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                               monitor_interval=0.1, start_method="spawn")
-        try:
-            return elastic_launch(config, rank_entry)(payload, self.keep_parameters)
-        except ChildFailedError as exc:
-            raise RankFailed(*_failure_message(exc, progress)) from None
+        with _quiet_launcher():
+            try:
+                return elastic_launch(config, rank_entry)(payload, self.keep_parameters)
+            except ChildFailedError as exc:
+                raise RankFailed(*_failure_message(exc, progress)) from None
 
     # ---- reporting --------------------------------------------------------------------------------
 
@@ -98,7 +101,7 @@ class TorchBackend:
                 observe: Observer | None, meta: dict[str, Any] | None) -> BackendResult:
         from dflop.sim.simulate import trace_meta
 
-        trace = TraceBuilder(meta=trace_meta(runner, backend="torch", device=self.options.device, **(meta or {})))
+        trace = TraceBuilder(meta=trace_meta(runner, backend="torch", device=str(self.options.device), **(meta or {})))
         leads = {r.worker: r for r in results.values() if r.tp_index == 0}
         first = min(r.start_step for r in results.values())
         offset, per_step = 0, []
@@ -132,6 +135,21 @@ class TorchBackend:
         if self.keep_parameters:
             extra["parameters"] = {name: t for r in results.values() for name, t in r.parameters.items()}
         return BackendResult(doc, metrics(doc), per_step, extra)
+
+
+@contextmanager
+def _quiet_launcher() -> Iterator[None]:
+    """The elastic agent logs every child's traceback; dflop reports a failure in one line instead
+    (and the traceback under --debug)."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _with(options: TorchOptions, **changes: Any) -> TorchOptions:

@@ -23,7 +23,7 @@ from dflop.backends.torch_runtime.worker import TorchOptions
 
 def reference_training(model: MLLMSpec, batches: list[SampleTable], options: TorchOptions) -> tuple[dict, list[float]]:
     """(parameters by whole-model name, loss per step) after training on ``batches`` in one process."""
-    dtype = getattr(torch, options.dtype)
+    dtype = getattr(torch, options.dtype.value)
     encoder = build_stage(model, Module.ENCODER, 0, (model.encoder.layers,), options.seed).to(dtype)
     llm = build_stage(model, Module.LLM, 0, (model.llm.layers,), options.seed).to(dtype)
     params = list(encoder.parameters()) + list(llm.parameters())

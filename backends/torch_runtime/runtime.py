@@ -131,6 +131,8 @@ class StepRun:
     """Where this rank writes the node it is at (``ProgressFile``), to be read if it dies."""
     fail: tuple[str, str] = ("", "")
     """(node label, how: raise or exit): fail there (tests of failure handling)."""
+    cache: dict = field(default_factory=dict)
+    """Inputs made by ``prepare`` before the step."""
 
     @property
     def t(self):  # noqa: ANN201 - Template
@@ -199,7 +201,29 @@ class StepRun:
             return self.data.llm_rows(self.replica(), k)
         return self.data.encoder_rows(self.replica(), k)
 
+    def prepare(self) -> None:
+        """Make every input this worker's forwards read (pixels, tokens, packed positions) before the
+        step starts, as a data loader would: generating them is not the step's work."""
+        for n in self.graph.order[self.w.graph_worker]:
+            node = self.graph.nodes[n]
+            if node.kind is not Kind.F:
+                continue
+            module, stage = self.t.module_stage(node.stage)
+            rows = self.rows(module, node.microbatch)
+            if module is Module.LLM:
+                self.sequence(rows)
+                if stage == 0 and self.w.colocated_encoder is not None:
+                    self.inputs_of(rows[self.data.batch.tiles[rows] > 0], pixels=True)
+            elif stage == 0:
+                self.inputs_of(rows, pixels=True)
+
     def inputs_of(self, rows: np.ndarray, pixels: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        key = ("inputs", rows.tobytes(), pixels)
+        if key not in self.cache:
+            self.cache[key] = self._make_inputs(rows, pixels)
+        return self.cache[key]
+
+    def _make_inputs(self, rows: np.ndarray, pixels: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         b = self.data.batch
         pix, text = [], []
         for i in rows:
@@ -215,6 +239,12 @@ class StepRun:
         return (torch.cat(pix) if pix else torch.zeros(shape)).to(device=dev, dtype=self.dtype), text
 
     def sequence(self, rows: np.ndarray) -> tuple[Sequence, torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = ("sequence", rows.tobytes())
+        if key not in self.cache:
+            self.cache[key] = self._make_sequence(rows)
+        return self.cache[key]
+
+    def _make_sequence(self, rows: np.ndarray) -> tuple[Sequence, torch.Tensor, torch.Tensor, torch.Tensor]:
         _, text = self.inputs_of(rows, pixels=False)
         seq = pack_sequence(self.data.image_tokens(rows), text)
         positions, cu = pack(seq.lengths, device=self.w.device) if seq.lengths else (
@@ -306,6 +336,8 @@ class StepRun:
         """The bin's image tokens, in bin order: encoded here (colocated) or brought by the bridge."""
         if self.w.colocated_encoder is not None:
             enc_rows = rows[self.data.batch.tiles[rows] > 0]
+            if not len(enc_rows):  # no images in this bin: the encoder has nothing to do
+                return None, []
             pixels, _ = self.inputs_of(enc_rows, pixels=True)
             return self.w.colocated_encoder(pixels, self.data.tiles(enc_rows), self.data.image_tokens(enc_rows)), []
         total = int(self.data.batch.image_tokens[rows].sum())

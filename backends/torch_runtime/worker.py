@@ -21,6 +21,7 @@ import torch.nn as nn
 from dflop.program.routing import step_routes
 from dflop.program.stepgraph import build_workers, lower
 from dflop.program.template import Template, build_template
+from dflop.specs.execution import Device, ExecutionSpec
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module, Plan, place
 from dflop.workload.sample import SampleTable
@@ -34,21 +35,12 @@ from dflop.backends.torch_runtime.runtime import Clock, StepRun, Worker
 from dflop.backends.torch_runtime.shapes import StepData
 
 
-@dataclass(frozen=True)
-class TorchOptions:
-    """How the torch backend runs (not what: that is the plan)."""
+@dataclass(frozen=True, kw_only=True)
+class TorchOptions(ExecutionSpec):
+    """The execution spec of the run config, and what the launcher adds for this run."""
 
-    device: str = "cpu"
-    """cpu (gloo) or cuda (NCCL, one GPU per rank)."""
-    dtype: str = "float32"
     seed: int = 0
     """Initial weights and synthetic inputs."""
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    timeout_s: float = 120.0
-    """Point-to-point and collective timeout: a lost peer fails the run after this at the latest."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every this many steps (0: never)."""
     checkpoint_dir: str = ""
     resume: bool = False
     """Continue from the newest complete checkpoint in checkpoint_dir."""
@@ -119,7 +111,7 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[Worker, G
         gpus = place(plan)
         groups.tied_embedding_groups([gpus.gpus(Module.LLM, first.rank, x) for x in range(first.replicas)],
                                      [gpus.gpus(Module.LLM, last.rank, x) for x in range(last.replicas)])
-    dtype = getattr(torch, opts.dtype)
+    dtype = getattr(torch, opts.dtype.value)
     stages, encoder = _stage_modules(plan, model, template, layout.worker, opts.seed, device, dtype)
     gw = build_workers(template)[layout.worker]
     mesh = groups.mesh_of(gw.module)
@@ -165,7 +157,7 @@ def _sync_tied_embedding(worker: Worker, groups: Groups, template: Template, gw)
 def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     """The body of one rank (spawned locally or under torchrun; the process group is set up here)."""
     opts = payload.options
-    device = torch.device(opts.device if opts.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    device = torch.device("cpu" if opts.device is Device.CPU else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     if device.type == "cpu":
         torch.set_num_threads(1)
     else:
@@ -196,6 +188,7 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
         if opts.fail_at[0] == step and rank == 0:
             run.fail = (opts.fail_at[1], opts.fail_at[2])
         run.progress = progress
+        run.prepare()
         dist.barrier()
         clock.mark()
         run.run()

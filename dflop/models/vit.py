@@ -52,7 +52,8 @@ class VisionBlock(nn.Module):
         # width // head_dim heads: the local count when tensor parallelism has sharded the projections
         split = lambda t: t.view(tiles, length, t.shape[-1] // self.spec.head_dim,  # noqa: E731
                                   self.spec.head_dim).transpose(1, 2)
-        a = F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(1, 2).reshape(tiles, length, -1)
+        a = F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(1, 2).reshape(tiles, length,
+                                                                                               q.shape[-1])
         a = self.proj(a)
         x = x + (a * self.ls1 if self.ls1 is not None else a)
         m = self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
