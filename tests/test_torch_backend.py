@@ -27,6 +27,8 @@ PLANS = {  # 2, 3 and 4 processes; every kind of program; pipeline, data and ten
                                                virtual_stages=2),
     "colocated zero-bubble pp2 x tp2": Plan(encoder=ModulePlan(tp=2), llm=ModulePlan(tp=2, pp=2),
                                             placement="colocated", microbatches=4, schedule="ZBH1"),
+    "dp2 ZeRO-3 (FSDP2)": Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated", microbatches=2,
+                               zero=3),
 }
 
 
@@ -146,3 +148,27 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(system, 
 def test_an_unknown_backend_lists_the_valid_ones():
     with pytest.raises(DflopError, match=r"unknown backend 'tpu' \(known: sim, torch\)"):
         get_backend("tpu")
+
+
+def test_out_of_memory_names_the_rank_the_node_and_the_microbatch_shape(small_samples):
+    import torch
+
+    from dflop.backends.torch_runtime.parallel import RankLayout
+    from dflop.backends.torch_runtime.runtime import Clock, StepRun, Worker
+    from dflop.backends.torch_runtime.shapes import StepData
+    from dflop.program.stepgraph import lower
+    from dflop.program.template import build_template
+
+    plan = Plan(encoder=ModulePlan(), llm=ModulePlan(), placement="colocated", microbatches=2)
+    batch = small_samples.take(np.arange(6))
+    assignment = np.array([0, 1, 0, 1, 0, 1])
+    graph = lower(build_template(plan))
+    worker = Worker(0, RankLayout(3, 0, 0, ((3,),)), {}, None, None, torch.device("cpu"), 0, 64, 1024, 1)
+    run = StepRun(worker, graph, StepData(plan, batch, assignment), 5, Clock(torch.device("cpu")))
+    n = graph.labels.index("0F1")
+    err = run.failure(n, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    rows = assignment == 1
+    shape = (f"llm stage 0, microbatch 1: 3 samples, {batch.tiles[rows].sum()} tiles, "
+             f"{batch.llm_tokens[rows].sum()} tokens")
+    assert str(err).startswith("rank 3 (w0) failed at step 5, node 0F1: OutOfMemoryError: out of memory (" + shape)
+    assert ">> 0F1" in err.details and "\n" not in str(err)

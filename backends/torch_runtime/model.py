@@ -82,20 +82,17 @@ def layout(features: torch.Tensor, tiles: list[int], image_tokens: list[int], ne
     """(tiles, tokens per tile, H) -> (sum image_tokens, H): each sample's first rows, newline rows after."""
     per_tile = features.shape[1]
     flat = features.reshape(-1, features.shape[-1])
-    fill, start, index = 0, 0, []
+    start, index = 0, []
     for t, n in zip(tiles, image_tokens):
         have = t * per_tile
         take = min(n, have)
         index.append(torch.arange(start, start + take))
         index.append(torch.full((n - take,), -1, dtype=torch.long))
         start += have
-        fill += n - take
     idx = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
     out = flat.index_select(0, idx.clamp(min=0).to(flat.device))
-    if fill:
-        mask = (idx < 0).to(flat.device)[:, None]
-        out = torch.where(mask, newline.to(out.dtype).expand_as(out), out)
-    return out
+    mask = (idx < 0).to(flat.device)[:, None]  # even when no row needs it: every replica gives the newline a
+    return torch.where(mask, newline.to(out.dtype).expand_as(out), out)  # gradient, as FSDP's reductions need
 
 
 @dataclass(frozen=True)
@@ -153,7 +150,7 @@ class LLMStage(nn.Module):
             hidden = self.embed(text)
             out = hidden.new_zeros(sum(seq.lengths), hidden.shape[-1])
             out = out.index_copy(0, seq.text_rows.to(out.device), hidden)
-            if x is not None and x.shape[0]:
+            if x is not None:  # even with no image tokens: FSDP needs every replica's backward to reach the encoder
                 out = out.index_copy(0, seq.image_rows.to(out.device), x.to(out.dtype))
             x = out
         for block in self.blocks.values():

@@ -115,14 +115,18 @@ def tensor_parallel(module: nn.Module, mesh, tp: int) -> None:  # noqa: ANN001 -
         parallelize_module(block, mesh, {**{n: ColwiseParallel() for n in col}, **{n: RowwiseParallel() for n in row}})
 
 
-def fully_shard_stage(module: nn.Module, mesh) -> None:  # noqa: ANN001 - DeviceMesh
-    """FSDP2 over data parallelism: each block its own unit (gathered just before use), then the rest."""
+def fully_shard_stage(module: nn.Module, mesh, reshard_after_forward: bool = True) -> None:  # noqa: ANN001
+    """FSDP2 over data parallelism: each block its own unit (gathered just before use), then the rest.
+    Without resharding after forward the gathered weights stay until the backward (ZeRO-2's memory)."""
     from torch.distributed.fsdp import fully_shard
 
     blocks = getattr(module, "blocks", None)
-    for block in (blocks.values() if blocks is not None else ()):
-        fully_shard(block, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+    units = list(blocks.values()) if blocks is not None else []
+    for block in units:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    for unit in units + [module]:  # the loss is already normalised over the global batch: sum, not mean
+        unit.set_gradient_divide_factor(1.0)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -163,8 +167,9 @@ def all_reduce_grads(params: list[nn.Parameter], group, bucket_bytes: int = BUCK
 
 def make_optimizer(params: list[nn.Parameter], zero: int, dp_group, lr: float,  # noqa: ANN001
                    weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW; with ZeRO-1/2 its state sharded over data parallelism (torch's ZeroRedundancyOptimizer)."""
-    if zero in (1, 2) and dist.get_world_size(dp_group) > 1:
+    """AdamW; with ZeRO-1 its state sharded over data parallelism (torch's ZeroRedundancyOptimizer);
+    with ZeRO-2/3 FSDP2 has sharded the parameters, and with them the state."""
+    if zero == 1 and dist.get_world_size(dp_group) > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_group,

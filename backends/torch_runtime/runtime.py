@@ -144,7 +144,7 @@ class StepRun:
     def run(self) -> None:
         handlers: dict[Kind, Callable[[int, Node], None]] = {
             Kind.F: self.forward, Kind.B: self.backward, Kind.I: self.backward, Kind.W: self.weight,
-            Kind.REDUCE_GRAD: self.reduce_grad}
+            Kind.REDUCE_GRAD: self.reduce_grad, Kind.UNSHARD: self.sharded, Kind.RESHARD: self.sharded}
         for n in self.graph.order[self.w.graph_worker]:
             node = self.graph.nodes[n]
             if self.progress is not None:
@@ -336,8 +336,8 @@ class StepRun:
         """The bin's image tokens, in bin order: encoded here (colocated) or brought by the bridge."""
         if self.w.colocated_encoder is not None:
             enc_rows = rows[self.data.batch.tiles[rows] > 0]
-            if not len(enc_rows):  # no images in this bin: the encoder has nothing to do
-                return None, []
+            if not len(enc_rows) and self.w.zero < 2:  # no images: nothing to encode (with FSDP every
+                return None, []                         # replica still runs it: its gathers are collective)
             pixels, _ = self.inputs_of(enc_rows, pixels=True)
             return self.w.colocated_encoder(pixels, self.data.tiles(enc_rows), self.data.image_tokens(enc_rows)), []
         total = int(self.data.batch.image_tokens[rows].sum())
@@ -431,6 +431,10 @@ class StepRun:
             stage_backward_weight(iter(params), groups)
 
     def reduce_grad(self, n: int, node: Node) -> None:
-        if self.w.zero < 3:  # FSDP reduce-scatters in its own backward hooks
+        if self.w.zero < 2:  # ZeRO-2/3 run as FSDP2, which reduce-scatters in its own backward hooks
             all_reduce_grads(self.w.parameters(), self.w.dp_group)
+
+    def sharded(self, n: int, node: Node) -> None:
+        """FSDP2 gathers a unit's weights in its forward and backward hooks (prefetching the next);
+        the node marks where the plan expects the exposed gather."""
 

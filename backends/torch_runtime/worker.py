@@ -119,8 +119,8 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[Worker, G
     mp = plan.module(gw.module)
     for module in list(stages.values()) + ([encoder] if encoder is not None else []):
         tensor_parallel(module, tp_mesh, mp.tp)
-        if plan.zero == 3 and mp.dp > 1:
-            fully_shard_stage(module, dp_mesh)
+        if plan.zero >= 2 and mp.dp > 1:  # ZeRO-2 keeps the gathered weights from forward to backward
+            fully_shard_stage(module, dp_mesh, reshard_after_forward=plan.zero == 3)
     worker = Worker(layout.worker, layout, stages, encoder, dp_mesh.get_group(), device, opts.seed,
                     model.encoder.image_size, model.llm.vocab, plan.zero)
     optimizer = make_optimizer(worker.parameters(), plan.zero, worker.dp_group, opts.lr, opts.weight_decay)
