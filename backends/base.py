@@ -66,7 +66,7 @@ def _sim(**options: Any) -> Backend:
 
 
 def _torch(**options: Any) -> Backend:
-    from dflop.backends.torch.backend import TorchBackend
+    from dflop.backends.torch_runtime.backend import TorchBackend
 
     return TorchBackend(**options)
 

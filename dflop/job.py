@@ -66,8 +66,9 @@ def load_data(config: RunConfig) -> tuple[SampleTable, str]:
     return synthesize(mix(d.preset), d.samples, config.encoder, d.seed), f"preset {d.preset}"
 
 
-def setup(config_path: str | Path | None = None, *, gpus: int | None = None, log: Log = _stderr) -> Setup:
-    config = load_run_config(config_path)
+def setup(config_path: str | Path | None = None, *, gpus: int | None = None, backend: str = "sim",
+          log: Log = _stderr) -> Setup:
+    config = load_run_config(config_path, backend)
     cluster = config.cluster.with_gpus(gpus) if gpus else config.cluster
     data, source = load_data(config)
     cost, note = select_cost_model(config.model, cluster.hardware, config.training, config.profiles, log)

@@ -11,6 +11,7 @@ from dflop.cost import AnalyticalCostModel, System
 from dflop.program.costing import stage_times_timing
 from dflop.program.costs import graph_costs, longest_path
 from dflop.program.evaluate import evaluate, summarize
+from dflop.program.overlap import Overlap, with_overlap
 from dflop.program.schedules import build
 from dflop.program.stepgraph import Stream, lower
 from dflop.program.steps import StepRunner
@@ -55,10 +56,13 @@ def test_zero_bubble_h1_beats_1f1b_as_published(p, extra, unit):
 
 
 def random_pipeline(draw):
-    name = draw(st.sampled_from(["GPipe", "1F1B", "ZBH1", "Interleaved1F1B"]))
+    name = draw(st.sampled_from(["GPipe", "1F1B", "ZBH1", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble",
+                                 "DualPipeV"]))
     p = draw(st.integers(1, 5))
-    v = draw(st.integers(2, 3)) if name == "Interleaved1F1B" else 1
+    v = {"Interleaved1F1B": draw(st.integers(2, 3)), "LoopedBFS": draw(st.integers(1, 3)), "ZBVZeroBubble": 2,
+         "DualPipeV": 2}.get(name, 1)
     m = p * draw(st.integers(1, 3)) if name == "Interleaved1F1B" else draw(st.integers(1, 8))
+    m = max(m, 2 * p) if name == "DualPipeV" else m
     program = build(name, p, m, v)
     plan = Plan(encoder=ModulePlan(), llm=ModulePlan(pp=p), placement="colocated", microbatches=m,
                 schedule=program.name, virtual_stages=v)
@@ -74,9 +78,10 @@ def pipelines(draw):
     return random_pipeline(draw)
 
 
-def pipeline_graph(template, f, i, w, p2p):
+def pipeline_graph(template, f, i, w, p2p, overlap=Overlap.SEQUENTIAL):
     graph = lower(template)
-    return graph, graph_costs(graph, stage_times_timing(template, f, i, w, p2p))
+    timing = with_overlap(stage_times_timing(template, f, i, w, p2p), overlap)
+    return graph, graph_costs(graph, timing), timing
 
 
 def assert_valid_execution(graph, costs, start, end, contention):
@@ -102,10 +107,10 @@ def assert_valid_execution(graph, costs, start, end, contention):
             assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
-@given(pipelines(), st.booleans())
-def test_execution_invariants(case, contention):
+@given(pipelines(), st.booleans(), st.sampled_from(list(Overlap)))
+def test_execution_invariants(case, contention, overlap):
     template, (f, i, w), p2p = case
-    graph, costs = pipeline_graph(template, f, i, w, p2p)
+    graph, costs, timing = pipeline_graph(template, f, i, w, p2p, overlap)
     ex = execute(graph, costs, contention=contention)
     assert_valid_execution(graph, costs, ex.start, ex.end, contention)
     busiest = max(sum(int(costs.duration[k]) for k in ids if graph.nodes[k].kind.is_compute) for ids in graph.order)
@@ -113,14 +118,14 @@ def test_execution_invariants(case, contention):
     assert ex.makespan >= busiest
     assert ex.makespan >= int(end.max())  # at least the longest dependency chain
     if not contention:
-        assert ex.makespan == int(end.max())
+        assert ex.makespan == int(end.max()) == evaluate(timing).step_ns
 
 
 @given(pipelines(), st.integers(2, 5))
 def test_scaling_durations_scales_the_step(case, k):
     template, (f, i, w), p2p = case
-    one = execute(*pipeline_graph(template, f, i, w, p2p))
-    many = execute(*pipeline_graph(template, f * k, i * k, w * k, p2p * k))
+    one = execute(*pipeline_graph(template, f, i, w, p2p)[:2])
+    many = execute(*pipeline_graph(template, f * k, i * k, w * k, p2p * k)[:2])
     assert many.makespan == k * one.makespan
 
 

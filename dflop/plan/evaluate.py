@@ -154,14 +154,16 @@ def quick(problem: PartitionProblem, start: np.ndarray | None = None) -> Partiti
 
 @lru_cache(maxsize=256)
 def inflight(schedule: str, stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
-    """Most microbatches each rank holds activations for at once (forward until its B or W)."""
+    """Most (stage, microbatch) activations each rank holds at once, from a forward until its B or
+    W, over all the stages the rank holds (both arms of a V); an overlapped F&B step counts its
+    forward before its backward frees anything, as both are live together."""
     from dflop.program.schedules import build
 
     program = build(schedule, stages // virtual, microbatches, virtual)
     out = []
-    for actions in program.ranks:
+    for rank in range(program.num_ranks):
         held = peak = 0
-        for a in actions:
+        for a in program.parts(rank):
             held += 1 if a.kind is Kind.F else (-1 if a.kind in (Kind.B, Kind.W) else 0)
             peak = max(peak, held)
         out.append(peak)

@@ -23,7 +23,7 @@ from dflop.errors import DflopError
 from dflop.program.actions import Kind
 from dflop.program.collectives import group_collectives
 from dflop.program.dpcomm import NS, TimedCollective, dp_gpus, fsdp_op, group_comm, reduction, shard_degree, to_ns
-from dflop.program.routing import BridgeRoutes, bridge_routes, encoder_replicas
+from dflop.program.routing import encoder_replicas
 from dflop.program.template import Template
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
@@ -200,13 +200,6 @@ class StepBuilder:
         """Numbers of one step on ``batch``; ``assignment[i]`` is sample i's bin."""
         return _Costing(self, batch, np.asarray(assignment, dtype=np.int64)).build()
 
-    def routes(self, batch: SampleTable, assignment: np.ndarray) -> BridgeRoutes | None:
-        """Which encoder replica feeds which LLM replica in each microbatch (None when colocated)."""
-        if self.t.colocated:
-            return None
-        assignment = np.asarray(assignment, dtype=np.int64)
-        chunk = encoder_replicas(batch.tiles, assignment, self.m, self.plan.encoder.dp)
-        return bridge_routes(assignment, chunk, batch.image_tokens, self.m)
 
 
 class _Costing:

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dflop.specs.plan import Plan
+from dflop.workload.sample import SampleTable
+
 
 def encoder_replicas(tiles: np.ndarray, assignment: np.ndarray, microbatches: int, encoder_dp: int) -> np.ndarray:
     """Encoder replica of every sample (``assignment[i]`` is sample i's bin ``r * microbatches + k``)."""
@@ -44,6 +47,15 @@ class BridgeRoutes:
 
     def receivers(self, k: int, encoder_replica: int) -> list[int]:
         return [r for j, r in self.pairs[k] if j == encoder_replica]
+
+
+def step_routes(plan: Plan, batch: SampleTable, assignment: np.ndarray) -> BridgeRoutes | None:
+    """The bridge routes of one step of ``plan`` (None when the encoder is colocated: no bridge)."""
+    if plan.colocated:
+        return None
+    assignment = np.asarray(assignment, dtype=np.int64)
+    chunk = encoder_replicas(batch.tiles, assignment, plan.microbatches, plan.encoder.dp)
+    return bridge_routes(assignment, chunk, batch.image_tokens, plan.microbatches)
 
 
 def bridge_routes(assignment: np.ndarray, encoder_replica: np.ndarray, image_tokens: np.ndarray,

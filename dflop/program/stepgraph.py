@@ -313,22 +313,28 @@ def lower(template: Template, routes: BridgeRoutes | None = None) -> StepGraph:
     while remaining:  # torch's _add_send_recv: one compute action per worker and round
         progress = False
         for w, q in enumerate(queues):
-            if not q or arrived.get((q[0], w), 0) < incoming.get((q[0], w), 0):
+            if not q:
                 continue
-            i = q.popleft()
-            a = t.ops[i].action
-            compute_of[(i, w)] = new(Node(w, a.kind, a.stage, a.microbatch, i))
-            for e in out.get((i, w), ()):
-                send = new(Node(w, e.send, a.stage, a.microbatch, i, peer=e.dst))
-                stage = t.ops[e.consumer].action.stage
-                send_of[new(Node(e.dst, e.recv, stage, a.microbatch, e.consumer, peer=w))] = send
-                arrived[(e.consumer, e.dst)] = arrived.get((e.consumer, e.dst), 0) + 1
-            remaining -= 1
+            unit = [q[0]] if t.ops[q[0]].overlap < 0 else [q[0], t.ops[q[0]].overlap]  # an overlapped pair
+            if any(arrived.get((i, w), 0) < incoming.get((i, w), 0) for i in unit):
+                continue
+            for i in unit:
+                q.popleft()
+                a = t.ops[i].action
+                compute_of[(i, w)] = new(Node(w, a.kind, a.stage, a.microbatch, i))
+            for i in unit:  # a pair sends its outputs after both halves, as torch lowers it
+                a = t.ops[i].action
+                for e in out.get((i, w), ()):
+                    send = new(Node(w, e.send, a.stage, a.microbatch, i, peer=e.dst))
+                    stage = t.ops[e.consumer].action.stage
+                    send_of[new(Node(e.dst, e.recv, stage, a.microbatch, e.consumer, peer=w))] = send
+                    arrived[(e.consumer, e.dst)] = arrived.get((e.consumer, e.dst), 0) + 1
+            remaining -= len(unit)
             progress = True
         if not progress:
             stuck = [f"w{w} at {t.ops[q[0]].action}" for w, q in enumerate(queues) if q]
             raise ProgramError("cannot place sends and receives (the program deadlocks): " + ", ".join(stuck[:6]))
-    order = [_defer_receives(w, ids, nodes) for w, ids in enumerate(lists)]
+    order = [_defer_receives(w, ids, nodes, t) for w, ids in enumerate(lists)]
     collectives, anchor, unshard = _place_collectives(t, workers, nodes, order, compute_of)
     inputs = _data_inputs(t, nodes, send_of, compute_of)
     for compute, u in unshard.items():
@@ -338,9 +344,9 @@ def lower(template: Template, routes: BridgeRoutes | None = None) -> StepGraph:
                      collectives, routes, tuple(anchor))
 
 
-def _defer_receives(w: int, ids: list[int], nodes: list[Node]) -> list[int]:
-    """torch's _defer_recv_ops: each receive just before its consumer, or before a send to its peer
-    when this worker is the lower-numbered one."""
+def _defer_receives(w: int, ids: list[int], nodes: list[Node], t: Template) -> list[int]:
+    """torch's _defer_recv_ops: each receive just before its consumer (before both halves of an
+    overlapped pair), or before a send to its peer when this worker is the lower-numbered one."""
     result: list[int] = []
     deferred: dict[int, None] = {}  # insertion-ordered set of receives
     for n in ids:
@@ -353,7 +359,8 @@ def _defer_receives(w: int, ids: list[int], nodes: list[Node]) -> list[int]:
                 result.append(r)
                 del deferred[r]
         if node.kind.is_compute:
-            for r in [r for r in deferred if nodes[r].op == node.op]:
+            consumers = {node.op, t.ops[node.op].overlap}
+            for r in [r for r in deferred if nodes[r].op in consumers]:
                 result.append(r)
                 del deferred[r]
         result.append(n)

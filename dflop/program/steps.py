@@ -16,6 +16,7 @@ import numpy as np
 from dflop.cost.system import System
 from dflop.program.costing import StepBuilder, StepTiming
 from dflop.program.costs import StepCosts, graph_costs
+from dflop.program.routing import step_routes
 from dflop.program.stepgraph import StepGraph, lower
 from dflop.program.template import Template, build_template
 from dflop.specs.plan import Plan
@@ -61,4 +62,4 @@ class StepRunner:
         return Step(index, batch, assignment, self.builder.timing(batch, assignment), self)
 
     def lower(self, batch: SampleTable, assignment: np.ndarray) -> StepGraph:
-        return lower(self.template, self.builder.routes(batch, assignment))
+        return lower(self.template, step_routes(self.plan, batch, assignment))

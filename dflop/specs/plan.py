@@ -15,6 +15,7 @@ from dflop.specs.hardware import ClusterSpec
 from dflop.specs.loading import require
 from dflop.specs.models import MLLMSpec
 
+
 class Module(str, Enum):
     """The two modules of a multimodal model. A str enum, so YAML, JSON and traces carry plain names."""
 
@@ -170,17 +171,17 @@ class Plan:
                 + f" {memory}" + (f" recompute-{self.recompute}" if self.recompute is not Recompute.NONE else ""))
 
     def _schedule_problems(self) -> list[str]:
-        """Canonical plans only: one pipeline rank runs every schedule as plain gradient accumulation."""
+        """Canonical plans only: one pipeline rank runs every schedule as plain gradient accumulation,
+        and an interleaved schedule with one stage per rank is its plain form. (Whether a schedule
+        takes this many stages per rank is the schedule registry's to say when it builds the program.)"""
         out = []
-        interleaved = self.schedule.strip().lower().startswith("interleaved")
-        if self.pipeline_ranks == 1 and (self.schedule.strip().lower() != "1f1b" or self.virtual_stages > 1):
+        name = self.schedule.strip().lower()
+        if self.pipeline_ranks == 1 and (name != "1f1b" or self.virtual_stages > 1):
             out.append(f"one pipeline rank runs {self.schedule}"
                        + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
                        + " as plain gradient accumulation: use 1F1B with one virtual stage")
-        elif interleaved and self.virtual_stages == 1:
+        elif name.startswith("interleaved") and self.virtual_stages == 1:
             out.append(f"{self.schedule} with one virtual stage is not interleaved: use 1F1B or ZBH1")
-        elif self.virtual_stages > 1 and not interleaved:
-            out.append(f"{self.virtual_stages} virtual stages need an interleaved schedule, not {self.schedule}")
         if self.zero >= 2 and not (self.colocated and self.llm.pp == 1):
             out.append(f"zero {self.zero} is modelled as FSDP and DeepSpeed run it: one colocated stage (pp 1); "
                        "with pipelining use zero 0 or 1")
