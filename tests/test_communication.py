@@ -117,7 +117,12 @@ any_plan = st.one_of(
         encoder=ModulePlan(tp=etp, dp=edp), llm=ModulePlan(tp=ltp, pp=lpp, dp=ldp), microbatches=m, schedule=s,
         **{**o, "zero": min(o["zero"], 1)}),
         st.sampled_from([1, 2]), st.integers(1, 4), st.sampled_from([2, 4]), st.integers(1, 3), st.integers(1, 2),
-        st.integers(1, 5), st.sampled_from(["1F1B", "ZBH1"]), memory_options))
+        st.integers(1, 5), st.sampled_from(["1F1B", "ZBH1"]), memory_options),
+    st.builds(lambda tp, pp, dp, r, s, o: Plan(  # V schedules: DualPipeV's overlapped pairs beside the reduction
+        encoder=ModulePlan(tp=tp, dp=dp), llm=ModulePlan(tp=tp, pp=pp, dp=dp), placement="colocated",
+        microbatches=2 * pp * r, schedule=s, virtual_stages=2, **{**o, "zero": min(o["zero"], 1)}),
+        st.sampled_from([1, 2]), st.integers(2, 3), st.integers(2, 3), st.integers(1, 2),
+        st.sampled_from(["ZBVZeroBubble", "DualPipeV"]), memory_options))
 
 
 @given(any_plan, st.integers(0, 10_000))

@@ -25,19 +25,32 @@ PLANS = {  # 2, 3 and 4 processes; every kind of program; pipeline, data and ten
     "colocated interleaved pp2 v2 x dp2": Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(pp=2, dp=2),
                                                placement="colocated", microbatches=2, schedule="Interleaved1F1B",
                                                virtual_stages=2),
-    "colocated zero-bubble pp2 x tp2": Plan(encoder=ModulePlan(tp=2), llm=ModulePlan(tp=2, pp=2),
-                                            placement="colocated", microbatches=4, schedule="ZBH1"),
-    "dp2 ZeRO-3 (FSDP2)": Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated", microbatches=2,
-                               zero=3),
+    "colocated zero-bubble pp2 x tp2, selective recompute (run as full)": Plan(
+        encoder=ModulePlan(tp=2), llm=ModulePlan(tp=2, pp=2), placement="colocated", microbatches=4, schedule="ZBH1",
+        recompute="selective"),
+    "dp2 ZeRO-0 (DDP)": Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated", microbatches=2,
+                             zero=0),
+    "dp2 ZeRO-2, selective recompute": Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated",
+                                            microbatches=2, zero=2, recompute="selective"),
+    "dp2 ZeRO-3 (FSDP2), full recompute": Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated",
+                                               microbatches=2, zero=3, recompute="full"),
+    "dp4 HSDP (2 nodes of 2)": Plan(encoder=ModulePlan(dp=4), llm=ModulePlan(dp=4), placement="colocated",
+                                    microbatches=1, zero=3, hsdp=True),
 }
+GPUS_PER_NODE = {"dp4 HSDP (2 nodes of 2)": 2}
+"""Where a plan needs nodes smaller than 4 GPUs (HSDP shards within a node); 4 otherwise."""
+
+
+def system_of(per_node=4):
+    hardware = presets.hardware("cpu")
+    training = TrainingSpec(global_batch=8)
+    cost, _ = select_cost_model(MODEL, hardware, training)
+    return System(MODEL, ClusterSpec(hardware=hardware, nodes=4 // per_node, gpus_per_node=per_node), training, cost)
 
 
 @pytest.fixture(scope="module")
 def system():
-    hardware = presets.hardware("cpu")
-    training = TrainingSpec(global_batch=8)
-    cost, _ = select_cost_model(MODEL, hardware, training)
-    return System(MODEL, ClusterSpec(hardware=hardware, nodes=1, gpus_per_node=4), training, cost)
+    return system_of()
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +94,13 @@ def node_sequences(trace):
 
 
 @pytest.mark.parametrize("name", list(PLANS))
-def test_distributed_training_matches_the_single_process_reference(system, small_samples, name):
+def test_distributed_training_matches_the_single_process_reference(small_samples, name):
     """fp64, so reassociation noise (~1e-15) cannot hide a wrong gradient: the parameters after two
-    AdamW steps equal the sequential run's to 1e-9. The trace holds the simulator's nodes, in order."""
+    AdamW steps equal the sequential run's to 1e-9. The trace holds the simulator's nodes, in order
+    (the REDUCE_GRAD and UNSHARD nodes of every ZeRO stage where the step graph puts them)."""
     plan = PLANS[name]
+    system = system_of(GPUS_PER_NODE.get(name, 4))
+    assert not plan.problems(system.cluster, MODEL, 8)
     steps = scheduled(system, plan, small_samples, 2)
     assert len({tuple(np.bincount(s.assignment, minlength=plan.bins)) for s in steps}) >= 1
     options = TorchOptions(dtype="float64", lr=1e-2, seed=7)
@@ -172,3 +188,55 @@ def test_out_of_memory_names_the_rank_the_node_and_the_microbatch_shape(small_sa
              f"{batch.llm_tokens[rows].sum()} tokens")
     assert str(err).startswith("rank 3 (w0) failed at step 5, node 0F1: OutOfMemoryError: out of memory (" + shape)
     assert ">> 0F1" in err.details and "\n" not in str(err)
+
+
+def test_recomputation_reruns_what_its_mode_drops_and_changes_no_gradient():
+    """Counted in the backward of one LLM stage: no recomputation runs no forward op there; full
+    reruns every forward op (the MLP's SiLU and the matrix products); selective reruns the SiLU but
+    keeps the products; the gradients are the same bits in all three."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dflop.backends.torch_runtime.model import build_stage
+    from dflop.backends.torch_runtime.recompute import block_runner
+    from dflop.models.llm import pack
+    from dflop.specs.plan import Module, Recompute
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.ops[name] = self.ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    positions, cu = pack([7, 5])
+    x0 = torch.randn(12, MODEL.llm.hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    seen, grads = {}, {}
+    for mode in Recompute:
+        stage = build_stage(MODEL, Module.LLM, 1, (1, MODEL.llm.layers - 2, 1), seed=3).double()
+        stage.run_block = block_runner(mode, split_backward=False)
+        x = x0.clone().requires_grad_()
+        out = stage(x, None, positions, cu)  # a middle stage: hidden states through its blocks
+        with Count() as count:
+            out.square().sum().backward()
+        seen[mode] = count.ops
+        grads[mode] = [x.grad] + [p.grad for p in stage.blocks.parameters()]
+    mm = {mode: ops.get("mm", 0) + ops.get("addmm", 0) for mode, ops in seen.items()}
+    silu = {mode: ops.get("silu", 0) for mode, ops in seen.items()}
+    layers = len(stage.blocks)
+    assert silu == {Recompute.NONE: 0, Recompute.SELECTIVE: layers, Recompute.FULL: layers}
+    assert mm[Recompute.SELECTIVE] == mm[Recompute.NONE] < mm[Recompute.FULL]
+    for mode in (Recompute.SELECTIVE, Recompute.FULL):
+        assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads[Recompute.NONE]))
+
+
+def test_fp32_gradient_buffers_in_a_16_bit_run_are_refused_naming_the_field(system, small_samples):
+    plan = Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated", microbatches=1, zero=1,
+                fp32_grads=True)
+    steps = scheduled(system, plan, small_samples, 1)
+    with pytest.raises(DflopError, match="plan field fp32_grads") as err:
+        TorchBackend(options=TorchOptions(dtype="bfloat16"), predict=False).run(StepRunner(plan, system), steps)
+    assert "\n" not in str(err.value)

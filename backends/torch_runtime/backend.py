@@ -28,6 +28,8 @@ from dflop.backends.base import BackendResult, Observer, ScheduledBatch, StepTim
 from dflop.backends.sim import SimBackend
 from dflop.errors import DflopError
 from dflop.program.steps import StepRunner
+from dflop.specs.execution import DType
+from dflop.specs.plan import Plan
 from dflop.trace.chrome import COMPUTE, TraceBuilder
 from dflop.trace.metrics import metrics
 from dflop.trace.record import record_step, worker_records
@@ -60,10 +62,11 @@ class TorchBackend:
 
     def run(self, runner: StepRunner, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
             meta: dict[str, Any] | None = None) -> BackendResult:
+        refuse_unsupported(runner.plan, self.options)
         with tempfile.TemporaryDirectory(prefix="dflop-progress-") as progress:
             opts = self.options if self.options.progress_dir else _with(self.options, progress_dir=progress)
             payload = Payload(runner.plan, runner.system.model, [s.batch for s in steps],
-                              [np.asarray(s.assignment) for s in steps], opts)
+                              [np.asarray(s.assignment) for s in steps], opts, runner.system.cluster.gpus_per_node)
             results = self._launch(payload, Path(opts.progress_dir))
         if results is None:  # a rank other than 0 under torchrun: rank 0 reports
             return BackendResult({}, metrics({"traceEvents": []}), [], {"rank": int(os.environ["RANK"])})
@@ -135,6 +138,19 @@ class TorchBackend:
         if self.keep_parameters:
             extra["parameters"] = {name: t for r in results.values() for name, t in r.parameters.items()}
         return BackendResult(doc, metrics(doc), per_step, extra)
+
+
+def refuse_unsupported(plan: Plan, options: TorchOptions) -> None:
+    """What the torch backend cannot run as the plan says, refused before any process starts.
+
+    ``fp32_grads`` (Megatron's fp32 main gradients, FSDP's float32 reduce dtype) needs
+    gradients wider than the parameters; the backend keeps gradients in the parameters' dtype,
+    which in float32 and float64 runs is already that wide (so there the field changes nothing),
+    but not in 16-bit ones."""
+    if plan.fp32_grads and options.dtype in (DType.BFLOAT16, DType.FLOAT16):
+        raise DflopError(f"plan field fp32_grads: the torch backend keeps gradients in the parameters' dtype "
+                         f"({options.dtype}), not in fp32 buffers; run with execution dtype float32 or float64, or "
+                         "use a plan with fp32_grads false")
 
 
 @contextmanager

@@ -30,6 +30,8 @@ from dflop.models.vit import PatchEmbed, Projector, VisionBlock
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module
 
+from dflop.backends.torch_runtime.recompute import BlockRunner
+
 
 def stable_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode()) & 0x7FFFFFFF
@@ -64,6 +66,8 @@ class EncoderStage(nn.Module):
         self.blocks = nn.ModuleDict({str(i): VisionBlock(spec) for i in layers})
         self.projector = Projector(model) if last else None
         self.newline = nn.Parameter(torch.zeros(model.llm.hidden)) if last else None
+        self.run_block: BlockRunner | None = None
+        """How each block is called (activation recomputation, ``recompute.py``); None: plainly."""
 
     def forward(self, x: torch.Tensor, tiles: list[int] | None = None,
                 image_tokens: list[int] | None = None) -> torch.Tensor:
@@ -72,7 +76,7 @@ class EncoderStage(nn.Module):
         if self.embed is not None:
             x = self.embed(x)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x) if self.run_block is None else self.run_block(block, x)
         if self.projector is None:
             return x
         return layout(self.projector(x), tiles, image_tokens, self.newline)
@@ -140,6 +144,8 @@ class LLMStage(nn.Module):
         self.head = nn.Linear(spec.hidden, spec.vocab, bias=False) if last else None
         if spec.tie_embeddings and first and last:
             self.head.weight = self.embed.weight
+        self.run_block: BlockRunner | None = None
+        """How each block is called (activation recomputation, ``recompute.py``); None: plainly."""
 
     def forward(self, x: torch.Tensor | None, seq: Sequence, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                 text: torch.Tensor | None = None, loss_scale: float = 1.0) -> torch.Tensor:
@@ -154,7 +160,8 @@ class LLMStage(nn.Module):
                 out = out.index_copy(0, seq.image_rows.to(out.device), x.to(out.dtype))
             x = out
         for block in self.blocks.values():
-            x = block(x, positions, cu_seqlens)
+            x = (block(x, positions, cu_seqlens) if self.run_block is None
+                 else self.run_block(block, x, positions, cu_seqlens))
         if self.head is None:
             return x
         logits = self.head(self.norm(x.index_select(0, seq.label_rows.to(x.device))))

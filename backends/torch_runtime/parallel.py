@@ -5,9 +5,10 @@ ranks (``place(plan)`` numbers them: GPU g is rank g). The encoder and the LLM
 each get a DeviceMesh of shape (pp, dp, tp) over their ranks (a colocated
 encoder lives on the LLM's first-stage ranks, so it uses the LLM's mesh):
 tensor parallelism is torch's ``parallelize_module`` with column- and row-wise
-linear layers over the mesh's ``tp`` dimension, ZeRO-3 is FSDP2's
-``fully_shard`` over ``dp``, ZeRO-1/2 torch's ZeroRedundancyOptimizer, and the
-gradient reduction of every other plan a bucketed all-reduce over ``dp``.
+linear layers over the mesh's ``tp`` dimension, ZeRO-2/3 FSDP2's
+``fully_shard`` over ``dp`` (HSDP: over ``dp`` split into replicate x shard),
+ZeRO-1 torch's ZeroRedundancyOptimizer, and the gradient reduction of ZeRO-0/1 a
+bucketed all-reduce over ``dp``.
 
 Point-to-point between two workers pairs their TP ranks: receiver rank i of a
 worker hears from sender rank ``i mod tp_sender`` (every TP rank holds the whole
@@ -79,6 +80,8 @@ class Groups:
     device: str
     meshes: dict[Module, object] = field(default_factory=dict)
     tied: dict[tuple[int, int], object] = field(default_factory=dict)
+    hybrid: dict[Module, object] = field(default_factory=dict)
+    """Per mesh owner: the HSDP mesh (replicate, shard) made from its ``dp`` dimension."""
 
     def __post_init__(self) -> None:
         self.meshes[Module.LLM] = _mesh(self.plan, Module.LLM, self.device)
@@ -87,6 +90,19 @@ class Groups:
 
     def mesh_of(self, module: Module):  # noqa: ANN201 - DeviceMesh
         return self.meshes[Module.LLM if self.plan.colocated else module]
+
+    def fsdp_mesh(self, module: Module, shards: int):  # noqa: ANN201 - DeviceMesh
+        """The data-parallel mesh FSDP2 shards over: ``dp``; with HSDP ``dp`` unflattened into
+        (replicate, shard), ``shards`` consecutive replicas (one node's: ``place`` puts a stage's
+        replicas side by side) sharding and the nodes replicating. Made once per mesh (collective)."""
+        owner = Module.LLM if self.plan.colocated else module
+        mesh = self.meshes[owner]
+        dp = mesh["dp"].size()
+        if not self.plan.hsdp or shards >= dp:
+            return mesh["dp"]
+        if owner not in self.hybrid:
+            self.hybrid[owner] = mesh._unflatten("dp", (dp // shards, shards), ("replicate", "shard"))
+        return self.hybrid[owner]["replicate", "shard"]
 
     def tied_embedding_groups(self, first: list[tuple[int, ...]], last: list[tuple[int, ...]]) -> None:
         """One group per (replica, TP index) joining the first and the last LLM stage, whose

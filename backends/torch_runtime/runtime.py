@@ -10,7 +10,8 @@ gradients for zero-bubble schedules with torch's own ``stage_backward_input`` /
 point-to-point (a receive is waited for just before its consumer, sends at the
 end of the step); the bridge moves each sample's image tokens between the
 encoder replica that encoded it and the LLM replica that owns it; REDUCE_GRAD
-sums gradients over data parallelism.
+sums gradients over data parallelism where FSDP2 does not (ZeRO-0/1), and
+UNSHARD marks FSDP2's gathers.
 
 Every node is timed (monotonic nanoseconds on CPU, CUDA events on GPU). A
 failure names the rank, the step and the node, and shows the worker's list
@@ -431,10 +432,17 @@ class StepRun:
             stage_backward_weight(iter(params), groups)
 
     def reduce_grad(self, n: int, node: Node) -> None:
-        if self.w.zero < 2:  # ZeRO-2/3 run as FSDP2, which reduce-scatters in its own backward hooks
+        """ZeRO-0/1: the step graph has one REDUCE_GRAD per worker, after the worker's last compute
+        op (the backward whose buckets it overlaps in the cost model): every gradient of the step
+        is complete there, and this sums them over data parallelism (ZeRO-1's optimizer then
+        updates its shard and broadcasts). ZeRO-2 has one after every backward, and ZeRO-3 none:
+        both run as FSDP2, which reduce-scatters each unit's gradients in its own backward hooks
+        as that backward produces them, so the node only marks where the plan expects it."""
+        if self.w.zero < 2:
             all_reduce_grads(self.w.parameters(), self.w.dp_group)
 
     def sharded(self, n: int, node: Node) -> None:
-        """FSDP2 gathers a unit's weights in its forward and backward hooks (prefetching the next);
-        the node marks where the plan expects the exposed gather."""
+        """UNSHARD (ZeRO-3, before every forward and backward): FSDP2 gathers a unit's weights in
+        its forward and backward pre-hooks (prefetching the next unit), so the gather this node
+        stands for runs inside the op it feeds; the node marks where the plan expects it."""
 

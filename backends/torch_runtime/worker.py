@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dflop.program.dpcomm import shard_degree
 from dflop.program.routing import step_routes
+from dflop.program.schedules import splits_backward
 from dflop.program.stepgraph import build_workers, lower
 from dflop.program.template import Template, build_template
 from dflop.specs.execution import Device, ExecutionSpec
@@ -29,6 +31,7 @@ from dflop.workload.sample import SampleTable
 from dflop.backends.torch_runtime import checkpoint
 from dflop.backends.torch_runtime.model import build_stage
 from dflop.backends.torch_runtime.progress import ProgressFile
+from dflop.backends.torch_runtime.recompute import block_runner
 from dflop.backends.torch_runtime.parallel import (Groups, RankLayout, fully_shard_stage, make_optimizer,
                                                    tensor_parallel)
 from dflop.backends.torch_runtime.runtime import Clock, StepRun, Worker
@@ -59,6 +62,8 @@ class Payload:
     batches: list[SampleTable]
     assignments: list[Any]
     options: TorchOptions
+    gpus_per_node: int
+    """Of the planned cluster: where HSDP's shard groups end."""
 
 
 @dataclass
@@ -117,10 +122,12 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[Worker, G
     mesh = groups.mesh_of(gw.module)
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     mp = plan.module(gw.module)
+    shards = shard_degree(plan, payload.gpus_per_node, mp.dp, mp.tp)
     for module in list(stages.values()) + ([encoder] if encoder is not None else []):
         tensor_parallel(module, tp_mesh, mp.tp)
+        module.run_block = block_runner(plan.recompute, splits_backward(plan.schedule))
         if plan.zero >= 2 and mp.dp > 1:  # ZeRO-2 keeps the gathered weights from forward to backward
-            fully_shard_stage(module, dp_mesh, reshard_after_forward=plan.zero == 3)
+            fully_shard_stage(module, groups.fsdp_mesh(gw.module, shards), reshard_after_forward=plan.zero == 3)
     worker = Worker(layout.worker, layout, stages, encoder, dp_mesh.get_group(), device, opts.seed,
                     model.encoder.image_size, model.llm.vocab, plan.zero)
     optimizer = make_optimizer(worker.parameters(), plan.zero, worker.dp_group, opts.lr, opts.weight_decay)
