@@ -45,13 +45,13 @@ def _half_sums(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _subsets_within(values: np.ndarray, low: np.ndarray, high: np.ndarray) -> Iterator[np.ndarray]:
     """Positions of every subset of ``values``' rows whose sums lie in [low, high], fullest first."""
-    half = len(values) // 2
+    half, key = len(values) // 2, int(np.argmax(values.sum(axis=0)))  # sorted on the widest dimension
     a_sums, a_masks = _half_sums(values[:half])
     b_sums, b_masks = _half_sums(values[half:])
-    order = np.argsort(b_sums[:, 0], kind="stable")
+    order = np.argsort(b_sums[:, key], kind="stable")
     b_sums, b_masks = b_sums[order], b_masks[order]
-    lo = np.searchsorted(b_sums[:, 0], low[0] - a_sums[:, 0], "left")
-    hi = np.searchsorted(b_sums[:, 0], high[0] - a_sums[:, 0], "right")
+    lo = np.searchsorted(b_sums[:, key], low[key] - a_sums[:, key], "left")
+    hi = np.searchsorted(b_sums[:, key], high[key] - a_sums[:, key], "right")
     counts = np.maximum(hi - lo, 0)
     total = int(counts.sum())
     if total > CANDIDATES:
