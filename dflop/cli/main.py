@@ -161,22 +161,40 @@ def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) ->
 
 @cli.command()
 @click.option("--items", type=click.Path(path_type=Path), required=True,
-              help='JSON {"items": [{"id": ..., "cost": [c_enc, c_llm, ...]}, ...]}.')
+              help='JSON {"items": [{"id": ..., "cost": [c_enc, c_llm, ...]}, ...]}; ids (strings, numbers '
+                   'or booleans) come back as given and must be unique.')
 @click.option("--bins", type=click.IntRange(min=1), required=True, help="Number of bins.")
 @click.option("--solver", default="auto", show_default=True,
-              help="auto, ilp, lpt, kk, sequential or random.")
-@click.option("--time-limit", type=float, default=1.0, show_default=True, help="Seconds for the ILP.")
+              help="auto, ilp, greedy, lpt, kk, sequential or random (any case).")
+@click.option("--time-limit", type=float, default=1.0, show_default=True,
+              help="Seconds the solver may take (finite, above 0).")
 @json_option
 def schedule(items: Path, bins: int, solver: str, time_limit: float, as_json: bool) -> None:
-    """Partition items with cost vectors into balanced bins."""
+    """Partition items with cost vectors into balanced bins.
+
+    \b
+    status says how much is known about the answer, whatever the solver:
+      optimal    the makespan equals a proven lower bound
+      feasible   a search for better ran (auto, ilp, greedy) and stopped
+                 without a proof (deadline, local optimum, within 0.01%)
+      heuristic  one constructive pass (lpt, kk, sequential, random),
+                 no search for better
+    """
     from dflop.schedule.items import read_items
     from dflop.schedule.problem import PartitionProblem
     from dflop.schedule.solve import partition
+    from dflop.specs import scheduling
 
+    name = scheduling.solver(solver, "--solver")
+    limit = scheduling.time_limit(time_limit, "--time-limit")
     ids, costs = read_items(items)
-    result = partition(PartitionProblem(costs, bins, ids=ids), solver, time_limit=time_limit)
+    try:
+        problem = PartitionProblem(costs, bins, ids=ids)
+    except DflopError as exc:
+        raise DflopError(f"{items}: {exc}") from None
+    result = partition(problem, name, time_limit=limit)
     data = {"bins": result.bins(ids), "makespan": result.makespan, "lower_bound": result.lower_bound,
-            "gap": result.gap, "solver": result.solver, "status": result.status, "seconds": result.seconds,
+            "gap": result.gap, "solver": result.solver, "status": result.status.value, "seconds": result.seconds,
             "loads": result.loads.tolist()}
 
     def human(r: dict[str, Any]) -> str:

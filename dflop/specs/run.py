@@ -14,6 +14,7 @@ from typing import Literal
 
 import yaml
 
+from dflop.specs import scheduling
 from dflop.specs.execution import ExecutionSpec
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.loading import from_mapping, load_yaml, require
@@ -41,13 +42,14 @@ class DataSpec:
 @dataclass(frozen=True, kw_only=True)
 class SchedulerSpec:
     solver: str = "auto"
-    """Microbatch partitioner: auto, ilp, lpt, kk, sequential or random."""
+    """Microbatch partitioner: auto, ilp, greedy, lpt, kk, sequential or random (any case)."""
     time_limit: float = 0.5
-    """Seconds the ILP may spend on one global batch."""
+    """Seconds the partitioner may spend on one global batch (finite, above 0)."""
     ilp_backend: Literal["cbc", "highs"] = "cbc"
 
     def __post_init__(self) -> None:
-        require(self.time_limit > 0, f"time_limit: must be positive, got {self.time_limit}")
+        object.__setattr__(self, "solver", scheduling.solver(self.solver, "solver").value)
+        scheduling.time_limit(self.time_limit, "time_limit")
 
 
 @dataclass(frozen=True, kw_only=True)
