@@ -13,9 +13,10 @@ stage (F/v, B/v, W/v):
   once a round of p microbatches fills the pipe (tests/test_v_schedules.py);
 - DualPipeV with its F&B overlapped (p-1)(f&b + b - 3w), f&b = max(f, b): the
   DualPipe README's row, with PP = 2p stages (it holds where f equals the
-  input-gradient time, as here); run sequentially, as separate actions,
-  (p-1)(f + b - 2w), ZB1P's form with one stage's times (measured; the tests
-  pin where it holds);
+  input-gradient time, as here); run back to back as torch runs the pair (one
+  unit, its sends after both halves), (p-1)(f + b - 2w) + (p-1)f, ZB1P's form
+  with one stage's times plus the forward output held during the backward half
+  (measured; the tests pin where it holds);
 - ZBVZeroBubble (p-1)f: with f = i = w only the fill idles (the last rank's
   first forward waits for p-1 forwards).
 
@@ -40,7 +41,7 @@ ROWS = [
     ("InterleavedZeroBubble", "InterleavedZeroBubble", 2, "sequential", None),
     ("LoopedBFS", "LoopedBFS", 2, "sequential", lambda p, v: (p - 1) * (F + B) / v),
     ("ZBVZeroBubble", "ZBVZeroBubble", 2, "sequential", lambda p, v: (p - 1) * F / v),
-    ("DualPipeV", "DualPipeV", 2, "sequential", lambda p, v: (p - 1) * (F + B - 2 * W) / v),
+    ("DualPipeV", "DualPipeV", 2, "sequential", lambda p, v: (p - 1) * (F + B - 2 * W) / v + (p - 1) * F / v),
     ("DualPipeV overlapped", "DualPipeV", 2, "overlapped",
      lambda p, v: (p - 1) * (max(F, B) / v + B / v - 3 * W / v)),
 ]

@@ -112,16 +112,18 @@ def test_overlapped_dual_pipe_v_bubble_is_the_readme_closed_form(p, extra, f, w)
 
 
 @given(p=st.integers(1, 6), extra=st.integers(0, 10), times=st.lists(st.integers(1, 500), min_size=3, max_size=3))
-def test_sequential_dual_pipe_v_bubble_is_zb1p_form_per_stage(p, extra, times):
-    # Run as separate actions, the pair is no unit: measured, every rank idles (p-1)(F+B-2W), the
-    # DualPipe README's ZB1P row with one stage's times, where W <= I <= F <= I + W.
+def test_sequential_dual_pipe_v_bubble_is_zb1p_form_plus_a_held_forward(p, extra, times):
+    # Run back to back as torch runs it, the pair is one unit whose sends leave after both halves:
+    # every rank idles the DualPipe README's ZB1P row with one stage's times, (p-1)(F+B-2W), plus
+    # (p-1)F, the forward output held while the backward half runs (W <= I <= F <= I + W).
     W, I, F = sorted(times)  # noqa: E741
     F = min(F, I + W)
     W, I, F, B = W * US, I * US, F * US, (I + W) * US  # noqa: E741
     m = 2 * p + extra
     result = dual_pipe_v(p, m, F, I, W, "sequential")
-    assert idle(result) == pytest.approx([(p - 1) * (F + B - 2 * W)] * p, abs=1e-12)
-    assert result.step_time == pytest.approx(2 * m * (F + B) + (p - 1) * (F + B - 2 * W), rel=1e-12)
+    bubble = (p - 1) * (F + B - 2 * W) + (p - 1) * F
+    assert idle(result) == pytest.approx([bubble] * p, abs=1e-12)
+    assert result.step_time == pytest.approx(2 * m * (F + B) + bubble, rel=1e-12)
 
 
 @given(p=st.integers(1, 6), extra=st.integers(0, 10), t=st.integers(1, 500))

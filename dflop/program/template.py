@@ -61,6 +61,12 @@ class TemplateOp:
     overlap: int = -1
     """The other op of the same OVERLAP_F_B step (-1 if none)."""
 
+    @property
+    def released_by(self) -> int:
+        """The op whose end makes this op's outputs available: a pair sends after both halves,
+        as torch runs it, so the first half's outputs wait for the second."""
+        return max(self.index, self.overlap)
+
 
 @dataclass(frozen=True)
 class Template:
@@ -169,12 +175,17 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
                     _topological(ops), tuple(last))
 
 
+def _inputs(op: TemplateOp, ops: list[TemplateOp]) -> list[int]:
+    """The ops whose ends op waits for: its predecessor and, through released_by, its data."""
+    return [op.prev] + [ops[d].released_by for d in (op.bridge, *op.deps) if d >= 0]
+
+
 def _topological(ops: list[TemplateOp]) -> tuple[int, ...]:
     """Kahn's algorithm, smallest index first among ready ops (deterministic)."""
     succ: list[list[int]] = [[] for _ in ops]
     indegree = [0] * len(ops)
     for op in ops:
-        for d in (op.prev, op.bridge, *op.deps):
+        for d in _inputs(op, ops):
             if d >= 0:
                 succ[d].append(op.index)
                 indegree[op.index] += 1
