@@ -309,6 +309,28 @@ def plot_timeline(trace: Path, out: Path, compare: Path | None, as_json: bool) -
                                   f"bubbles {r['metrics']['bubble_fraction']:.1%})")
 
 
+@cli.command("export")
+@click.argument("plan_path", metavar="PLAN", type=click.Path(path_type=Path))
+@click.option("--to", "target", type=click.Choice(["megatron", "torchtitan"], case_sensitive=False), required=True,
+              help="megatron: Megatron-LM launch flags; torchtitan: a job config TOML fragment.")
+@click.option("--config", type=click.Path(path_type=Path),
+              help="Run config giving the model and the training settings (default: the embedded one).")
+@click.option("--global-batch", type=click.IntRange(min=1), help="Samples per step (default: the config's).")
+@json_option
+def export(plan_path: Path, target: str, config: Path | None, global_batch: int | None, as_json: bool) -> None:
+    """Write a plan as another framework's launch arguments; say what that framework cannot express."""
+    from dflop.export import export_plan
+    from dflop.specs.loading import load_spec
+    from dflop.specs.plan import Plan
+    from dflop.specs.run import load_run_config
+
+    plan = load_spec(Plan, plan_path)
+    run_config = load_run_config(config)
+    result = export_plan(plan, run_config.model, target, training=run_config.training,
+                         global_batch=global_batch or run_config.training.global_batch)
+    emit(result.as_dict(), as_json, lambda r: r["text"])
+
+
 def _writable(path: Path) -> Path:
     """Fail early, before any work, when the output cannot be written."""
     ensure_writable_folder(path.parent, "output")
