@@ -43,6 +43,10 @@ class Target(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def title(self) -> str:
+        return "Megatron-LM" if self is Target.MEGATRON else "torchtitan"
+
 
 @dataclass(frozen=True)
 class Export:
@@ -132,7 +136,7 @@ def _recompute(value: Any, default: str) -> tuple[str, int]:
 
 def _common_gaps(s: Settings, target: Target) -> list[str]:
     plan, out = s.plan, []
-    out.append(f"per-step balanced bins: {target} fills every microbatch with the same number of samples "
+    out.append(f"per-step balanced bins: {target.title} fills every microbatch with the same number of samples "
                "in arrival order; dflop's bins (LLM replica x microbatch) differ in size and are balanced on "
                "encoder and LLM work by dflop.schedule.sampler.BalancedBatchSampler (see the comment below)")
     if s.global_batch % (s.dp * plan.microbatches):
@@ -162,9 +166,9 @@ def _comment(lines: list[str]) -> list[str]:
     return [("# " + line).rstrip() for line in lines]
 
 
-def _gaps_comment(target: str, gaps: list[str]) -> list[str]:
+def _gaps_comment(target: Target, gaps: list[str]) -> list[str]:
     bullets = [textwrap.fill(g, 96, initial_indent="  - ", subsequent_indent="    ") for g in gaps]
-    return ["", f"What {target} cannot express:"] + "\n".join(bullets).splitlines() + [""]
+    return ["", f"What {target.title} cannot express:"] + "\n".join(bullets).splitlines() + [""]
 
 
 # ---- Megatron-LM -------------------------------------------------------------------------------
@@ -250,7 +254,7 @@ def megatron(s: Settings) -> Export:
             f"({plan.gpus} GPUs; add the model, data and optimizer flags of your run)"]
     body = [f"{flag} \\" for flag in flags]
     body[-1] = body[-1][:-2]
-    tail = _gaps_comment("Megatron-LM", gaps) + _sampler_comment(
+    tail = _gaps_comment(Target.MEGATRON, gaps) + _sampler_comment(
         s, "mpu.get_data_parallel_world_size()", "mpu.get_data_parallel_rank()",
         "# return it from build_pretraining_data_loader (megatron/training/datasets/data_samplers.py)")
     return Export(Target.MEGATRON, "\n".join(_comment(head) + body + _comment(tail)) + "\n", tuple(gaps))
@@ -325,7 +329,7 @@ def torchtitan(s: Settings) -> Export:
     lines = _comment(head)
     for name, fields in sections.items():
         lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
-    tail = _gaps_comment("torchtitan", gaps) + _sampler_comment(
+    tail = _gaps_comment(Target.TORCHTITAN, gaps) + _sampler_comment(
         s, "dp_world_size", "dp_rank", "# return it from your TrainSpec's build_dataloader_fn(dp_world_size, dp_rank, ...)")
     return Export(Target.TORCHTITAN, "\n".join(lines + [""] + _comment(tail)) + "\n", tuple(gaps))
 

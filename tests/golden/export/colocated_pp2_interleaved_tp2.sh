@@ -12,8 +12,8 @@
 --grad-reduce-in-bf16
 #
 # What Megatron-LM cannot express:
-#   - per-step balanced bins: megatron fills every microbatch with the same number of samples in
-#     arrival order; dflop's bins (LLM replica x microbatch) differ in size and are balanced on
+#   - per-step balanced bins: Megatron-LM fills every microbatch with the same number of samples
+#     in arrival order; dflop's bins (LLM replica x microbatch) differ in size and are balanced on
 #     encoder and LLM work by dflop.schedule.sampler.BalancedBatchSampler (see the comment below)
 #
 # dflop's balanced bins, in this framework's data loader:

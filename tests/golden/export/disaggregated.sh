@@ -11,8 +11,8 @@
 --grad-reduce-in-bf16
 #
 # What Megatron-LM cannot express:
-#   - per-step balanced bins: megatron fills every microbatch with the same number of samples in
-#     arrival order; dflop's bins (LLM replica x microbatch) differ in size and are balanced on
+#   - per-step balanced bins: Megatron-LM fills every microbatch with the same number of samples
+#     in arrival order; dflop's bins (LLM replica x microbatch) differ in size and are balanced on
 #     encoder and LLM work by dflop.schedule.sampler.BalancedBatchSampler (see the comment below)
 #   - disaggregated placement: the encoder flags exist in Megatron-LM core v0.13 and earlier
 #     (removed in v0.14), and there the encoder's stages join every LLM pipeline, with the LLM's
