@@ -289,24 +289,39 @@ def plot() -> None:
     """Draw pictures from traces."""
 
 
+def _step_choice(ctx: click.Context, param: click.Parameter, value: str | None) -> int | str | None:
+    if value is None or value.lower() == "all":
+        return value and "all"
+    if not value.isdigit() or int(value) < 1:
+        raise click.BadParameter(f"{value!r} is neither a step number (1, 2, ...) nor 'all'")
+    return int(value)
+
+
 @plot.command("timeline")
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="PNG to write.")
 @click.option("--compare", type=click.Path(path_type=Path), help="A second trace, drawn below on the same axis.")
+@click.option("--step", callback=_step_choice, metavar="K|all",
+              help="Draw step K (1 = the first) or all steps (default: the first step).")
+@click.option("--window", type=(float, float), metavar="START END",
+              help="Zoom to this time window, in seconds from the drawn step's start (from the trace's start "
+                   "with --step all).")
 @json_option
-def plot_timeline(trace: Path, out: Path, compare: Path | None, as_json: bool) -> None:
+def plot_timeline(trace: Path, out: Path, compare: Path | None, step: int | str | None,
+                  window: tuple[float, float] | None, as_json: bool) -> None:
     """Bubble timeline of a trace: one row per rank, compute and communication apart."""
     from dflop.trace.chrome import load_trace
     from dflop.trace.metrics import metrics
-    from dflop.viz.timeline import plot_timeline
+    from dflop.viz.timeline import draw, layout
 
     doc = load_trace(trace)
     other = load_trace(compare) if compare is not None else None
-    path = plot_timeline(doc, _writable(out), compare=other,
-                         labels=(trace.stem, compare.stem) if compare is not None else ("", ""))
-    data = {"out": str(path), "metrics": metrics(doc).as_dict()}
-    emit(data, as_json, lambda r: f"timeline -> {r['out']} (step {r['metrics']['step_time_s']['mean']:.3f} s, "
-                                  f"bubbles {r['metrics']['bubble_fraction']:.1%})")
+    labels = (trace.stem, compare.stem) if compare is not None else ("", "")
+    drawn = layout(doc, compare=other, labels=labels, step=step, window=window)
+    path = draw(drawn, _writable(out))
+    data = {"out": str(path), "metrics": metrics(doc).as_dict(), "step": step or 1, "window": list(drawn.window),
+            "panels": [{"title": p.title, "rows": len(p.rows), "bars": p.counts()} for p in drawn.panels]}
+    emit(data, as_json, lambda r: f"timeline -> {r['out']} ({r['panels'][0]['title'].splitlines()[-1]})")
 
 
 @cli.command("export")
