@@ -104,7 +104,9 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
     from dflop.cost.store import ProfileStore
     from dflop.profile.profiler import profile_model as run_profile
 
-    with progress_bar() as progress:
+    if device == "cpu":
+        _warn_cpu_profile(model_name, grid, tps or (1,), repeats, pair_llm)
+    with progress_bar(f"profiling {model_name}", "shapes") as progress:
         report = run_profile(model_name, out, device=device, dtype=dtype, tps=tps or (1,), grid=grid,
                              llm=pair_llm, repeats=repeats, progress=progress)
     records = [r for r in ProfileStore(report.store).read(log) if r["model"] == model_name.strip().lower()]
@@ -113,6 +115,23 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
     emit(data, as_json, lambda r: (f"{r['measured']} shapes measured, {r['reused']} already in {r['store']}; "
                                    f"held-out error median {r['holdout_error']['median']:.1%}, "
                                    f"max {r['holdout_error']['max']:.1%}"))
+
+
+def _warn_cpu_profile(model_name: str, grid: str | None, tps: tuple[int, ...], repeats: int | None,
+                      llm: str | None) -> None:
+    """Say, before starting, how long profiling on this CPU may take; warn when it is long."""
+    from dflop.profile.estimate import WARN_S, duration, profile_estimate
+    from dflop.specs import presets
+
+    cpu = presets.hardware("cpu")
+    est = profile_estimate(model_name, cpu, grid=grid, tps=tps, repeats=repeats, llm=llm)
+    basis = (f"{est.shapes} shapes, the largest block {est.largest_flops:.2g} FLOPs forward, at the cpu preset's "
+             f"{cpu.peak_flops:.2g} FLOP/s peak")
+    if est.seconds < WARN_S:
+        log(f"dflop: profiling {model_name} on cpu: about {duration(est.seconds)} ({basis})")
+    else:
+        log(f"dflop: warning: profiling {model_name} on cpu may take about {duration(est.seconds)} ({basis}); "
+            "--grid quick measures fewer shapes, --device cuda runs faster")
 
 
 # ---- plan, schedule, simulate, run -------------------------------------------------------------
