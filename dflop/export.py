@@ -69,8 +69,8 @@ class Settings:
     """HSDP: data-parallel groups that each hold a full (sharded) copy; 1 without HSDP."""
     recompute: str
     """none, full or selective."""
-    recompute_layers: int
-    """Megatron's --recompute-num-layers: 1 for uniform recompute, else the layers per stage."""
+    recompute_block: int
+    """Recompute only this many layers of each stage (Megatron's block method); 0: every layer."""
     fp32_grads: bool
 
     @property
@@ -96,11 +96,11 @@ def settings(plan: Plan, model: MLLMSpec, *, global_batch: int, training: Traini
         raise PlanError(f"plan [{plan.describe()}]: its LLM stages {list(layers)} do not split the "
                         f"{model.llm.layers} layers of {model.llm.name} into {plan.stages(Module.LLM)} stages")
     canonical(plan.schedule)  # an unknown schedule name is an error here, not a silent pass-through
-    recompute, per_stage = _recompute(getattr(plan, "recompute", None),
-                                      training.recompute if training is not None else "none")
+    recompute, block = _recompute(getattr(plan, "recompute", None),
+                                  training.recompute if training is not None else "none")
     default_fp32 = training is not None and training.grad_bytes >= 4
     return Settings(plan=plan, model=model, global_batch=global_batch, replicas=_replicas(plan),
-                    recompute=recompute, recompute_layers=per_stage,
+                    recompute=recompute, recompute_block=block,
                     fp32_grads=bool(getattr(plan, "fp32_grads", default_fp32)))
 
 
@@ -118,15 +118,14 @@ def _replicas(plan: Plan) -> int:
 
 
 def _recompute(value: Any, default: str) -> tuple[str, int]:
-    """(mode, layers): a plan says ``recompute`` as none/full/selective, a bool, or a layer count."""
+    """(mode, block): a plan says ``recompute`` as none/full/selective, a bool, or how many layers
+    of each stage to recompute."""
     value = default if value is None else value
     value = getattr(value, "value", value)  # an enum member
     if value is False or value in ("none", 0):
         return "none", 0
-    if value is True or value == "full":
-        return "full", 1
-    if value == "selective":
-        return "selective", 0
+    if value is True or value in ("full", "selective"):
+        return str(value) if value is not True else "full", 0
     if isinstance(value, int) and value > 0:
         return "full", value
     raise DflopError(f"recompute: {value!r} is not one of none, full, selective or a number of layers")
@@ -214,9 +213,10 @@ def _megatron_recompute(s: Settings) -> list[str]:
         return []
     if s.recompute == "selective":
         return ["--recompute-granularity selective"]
-    method = "uniform" if s.recompute_layers == 1 else "block"
-    return ["--recompute-granularity full", f"--recompute-method {method}",
-            f"--recompute-num-layers {s.recompute_layers}"]
+    if s.recompute_block:
+        return ["--recompute-granularity full", "--recompute-method block",
+                f"--recompute-num-layers {s.recompute_block}"]
+    return ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
 
 
 def _megatron_encoder(s: Settings) -> tuple[list[str], list[str]]:
@@ -314,6 +314,9 @@ def torchtitan(s: Settings) -> Export:
     gaps = _common_gaps(s, Target.TORCHTITAN) + gaps
     if not s.fp32_grads:
         gaps.append("bf16 gradient reduction: torchtitan reduces gradients in float32")
+    if s.recompute_block:
+        gaps.append(f"recomputing {s.recompute_block} layers of each stage: torchtitan's full mode recomputes "
+                    "every layer")
     if plan.colocated:
         gaps.append("the vision encoder: torchtitan's parallelism covers the language model; dflop runs the "
                     f"encoder inside the first LLM stage with tp {plan.llm.tp}")

@@ -16,7 +16,15 @@ r.table(["size", "widgets/s"], [[8, 1.5], [64 if not args.quick else 16, 12.25]]
 r.note("ratio 8.17x, measured in the same run")
 r.save(args.json)
 '''
-PRINTS_ONLY = 'print("plain figures: 42 things")\n'
+PRINTS_ONLY = '''
+import argparse, json
+parser = argparse.ArgumentParser()
+parser.add_argument("--json")
+args = parser.parse_args()
+print("plain figures: 42 things")
+if args.json:
+    json.dump({"rows": [{"things": 42}]}, open(args.json, "w"))  # not the report's schema
+'''
 FAILS = 'import sys\nprint("half done")\nsys.exit(3)\n'
 
 
@@ -40,7 +48,9 @@ def test_report_from_every_benchmark(tmp_path):
     assert "Quick dry run" not in text
     assert "| size | widgets/s |" in text and "| 64 | 12.25 |" in text and "- ratio 8.17x" in text
     assert "`python benchmarks/bench_a.py`" in text and "`python benchmarks/bench_b.py`" in text
-    assert "plain figures: 42 things" in text  # no JSON: its printed output stands in
+    assert "plain figures: 42 things" in text  # no tables: its printed output stands in
+    b = json.loads((out / "results" / "bench_b.json").read_text())
+    assert b["data"] == {"rows": [{"things": 42}]} and b["tables"] == [] and b["title"] == "bench_b"
     assert "failed with exit status 3" in text and "half done" in text
     machine = json.loads((out / "results" / "machine.json").read_text())
     assert f"{machine['cpus']} CPUs" in text and f"torch {machine['torch']}" in text and machine["date"] in text

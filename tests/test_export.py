@@ -154,6 +154,13 @@ def test_recompute_and_gradient_precision():
     assert full.grad_reduce_in_bf16 and not full.accumulate_allreduce_grads_in_fp32
     none = parse_megatron(export("pure_dp_zero3", "megatron").text)
     assert none.recompute_granularity is None and none.accumulate_allreduce_grads_in_fp32
+    plan = dataclasses.replace(CASES["pure_dp_zero3"][0])
+    object.__setattr__(plan, "recompute", 3)  # a field a later plan version adds: 3 layers of each stage
+    block = parse_megatron(export_plan(plan, MODEL, "megatron", global_batch=256).text)
+    assert (block.recompute_granularity, block.recompute_method, block.recompute_num_layers) == ("full", "block", 3)
+    titan = export_plan(plan, MODEL, "torchtitan", global_batch=256)
+    assert tomllib.loads(titan.text)["activation_checkpoint"]["mode"] == "full"
+    assert any("recomputing 3 layers of each stage" in g for g in titan.unsupported)
 
 
 # ---- torchtitan --------------------------------------------------------------------------------

@@ -309,8 +309,11 @@ def plot() -> None:
 
 
 def _step_choice(ctx: click.Context, param: click.Parameter, value: str | None) -> int | str | None:
-    if value is None or value.lower() == "all":
-        return value and "all"
+    """--step: a step number from 1, or 'all'."""
+    if value is None:
+        return None
+    if value.lower() == "all":
+        return "all"
     if not value.isdigit() or int(value) < 1:
         raise click.BadParameter(f"{value!r} is neither a step number (1, 2, ...) nor 'all'")
     return int(value)

@@ -15,7 +15,7 @@ stage. :func:`layout` says what would be drawn, so tests check the content, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -174,13 +174,12 @@ def _bars(doc: dict[str, Any], rows: list[int], chosen: list[dict[str, Any]], or
     return bars
 
 
-def _keep_useful_labels(bars: list[Bar], span: float) -> list[Bar]:
+def _keep_useful_labels(bars: Sequence[Bar], span: float) -> tuple[Bar, ...]:
     """Microbatch labels only where they tell bars apart and can be read."""
     labelled = [b for b in bars if b.label and b.width >= span * LABEL_MIN_WIDTH]
-    if len({b.label for b in bars if b.label}) > 1 and len(labelled) <= LABEL_LIMIT:
-        keep = {id(b) for b in labelled}
-        return [b if id(b) in keep else Bar(b.row, b.start, b.width, b.category, b.comm) for b in bars]
-    return [Bar(b.row, b.start, b.width, b.category, b.comm) for b in bars]
+    useful = len({b.label for b in bars if b.label}) > 1 and len(labelled) <= LABEL_LIMIT
+    keep = {id(b) for b in labelled} if useful else set()
+    return tuple(b if id(b) in keep else replace(b, label="") for b in bars)
 
 
 def _title(doc: dict[str, Any], label: str, step: Step, shown: int) -> str:
@@ -224,8 +223,7 @@ def layout(doc: dict[str, Any], *, compare: dict[str, Any] | None = None, labels
     if window is not None and window[0] >= max(p.end for p in panels):
         raise DflopError(f"window starts at {window[0]:g} s, after the end of what is drawn "
                          f"({max(p.end for p in panels):.3g} s)")
-    panels = [Panel(p.title, p.rows, tuple(_keep_useful_labels(list(p.bars), span[1] - span[0])), p.step_starts,
-                    p.end) for p in panels]
+    panels = [replace(p, bars=_keep_useful_labels(p.bars, span[1] - span[0])) for p in panels]
     return Timeline(tuple(panels), span, "trace" if step == "all" else "step")
 
 
