@@ -12,12 +12,6 @@ COLORS = {
     "image": "#1f77b4",
     "multi_image": "#2ca02c",
     "video": "#d62728",
-    "F": "#4c72b0",
-    "B": "#dd8452",
-    "I": "#dd8452",
-    "W": "#55a868",
-    "comm": "#b0b0b0",
-    "allreduce": "#8172b3",
     "idle": "#f2f2f2",
 }
 
