@@ -104,7 +104,9 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
     from dflop.cost.store import ProfileStore
     from dflop.profile.profiler import profile_model as run_profile
 
-    with progress_bar() as progress:
+    if device == "cpu":
+        _warn_cpu_profile(model_name, grid, tps or (1,), repeats, pair_llm)
+    with progress_bar(f"profiling {model_name}", "shapes") as progress:
         report = run_profile(model_name, out, device=device, dtype=dtype, tps=tps or (1,), grid=grid,
                              llm=pair_llm, repeats=repeats, progress=progress)
     records = [r for r in ProfileStore(report.store).read(log) if r["model"] == model_name.strip().lower()]
@@ -113,6 +115,23 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
     emit(data, as_json, lambda r: (f"{r['measured']} shapes measured, {r['reused']} already in {r['store']}; "
                                    f"held-out error median {r['holdout_error']['median']:.1%}, "
                                    f"max {r['holdout_error']['max']:.1%}"))
+
+
+def _warn_cpu_profile(model_name: str, grid: str | None, tps: tuple[int, ...], repeats: int | None,
+                      llm: str | None) -> None:
+    """Say, before starting, how long profiling on this CPU may take; warn when it is long."""
+    from dflop.profile.estimate import WARN_S, duration, profile_estimate
+    from dflop.specs import presets
+
+    cpu = presets.hardware("cpu")
+    est = profile_estimate(model_name, cpu, grid=grid, tps=tps, repeats=repeats, llm=llm)
+    basis = (f"{est.shapes} shapes, the largest block {est.largest_flops:.2g} FLOPs forward, at the cpu preset's "
+             f"{cpu.peak_flops:.2g} FLOP/s peak")
+    if est.seconds < WARN_S:
+        log(f"dflop: profiling {model_name} on cpu: about {duration(est.seconds)} ({basis})")
+    else:
+        log(f"dflop: warning: profiling {model_name} on cpu may take about {duration(est.seconds)} ({basis}); "
+            "--grid quick measures fewer shapes, --device cuda runs faster")
 
 
 # ---- plan, schedule, simulate, run -------------------------------------------------------------
@@ -307,24 +326,64 @@ def plot() -> None:
     """Draw pictures from traces."""
 
 
+def _step_choice(ctx: click.Context, param: click.Parameter, value: str | None) -> int | str | None:
+    """--step: a step number from 1, or 'all'."""
+    if value is None:
+        return None
+    if value.lower() == "all":
+        return "all"
+    if not value.isdigit() or int(value) < 1:
+        raise click.BadParameter(f"{value!r} is neither a step number (1, 2, ...) nor 'all'")
+    return int(value)
+
+
 @plot.command("timeline")
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="PNG to write.")
 @click.option("--compare", type=click.Path(path_type=Path), help="A second trace, drawn below on the same axis.")
+@click.option("--step", callback=_step_choice, metavar="K|all",
+              help="Draw step K (1 = the first) or all steps (default: the first step).")
+@click.option("--window", type=(float, float), metavar="START END",
+              help="Zoom to this time window, in seconds from the drawn step's start (from the trace's start "
+                   "with --step all).")
 @json_option
-def plot_timeline(trace: Path, out: Path, compare: Path | None, as_json: bool) -> None:
+def plot_timeline(trace: Path, out: Path, compare: Path | None, step: int | str | None,
+                  window: tuple[float, float] | None, as_json: bool) -> None:
     """Bubble timeline of a trace: one row per rank, compute and communication apart."""
     from dflop.trace.chrome import load_trace
     from dflop.trace.metrics import metrics
-    from dflop.viz.timeline import plot_timeline
+    from dflop.viz.timeline import draw, layout
 
     doc = load_trace(trace)
     other = load_trace(compare) if compare is not None else None
-    path = plot_timeline(doc, _writable(out), compare=other,
-                         labels=(trace.stem, compare.stem) if compare is not None else ("", ""))
-    data = {"out": str(path), "metrics": metrics(doc).as_dict()}
-    emit(data, as_json, lambda r: f"timeline -> {r['out']} (step {r['metrics']['step_time_s']['mean']:.3f} s, "
-                                  f"bubbles {r['metrics']['bubble_fraction']:.1%})")
+    labels = (trace.stem, compare.stem) if compare is not None else ("", "")
+    drawn = layout(doc, compare=other, labels=labels, step=step, window=window)
+    path = draw(drawn, _writable(out))
+    data = {"out": str(path), "metrics": metrics(doc).as_dict(), "step": step or 1, "window": list(drawn.window),
+            "panels": [{"title": p.title, "rows": len(p.rows), "bars": p.counts()} for p in drawn.panels]}
+    emit(data, as_json, lambda r: f"timeline -> {r['out']} ({r['panels'][0]['title'].splitlines()[-1]})")
+
+
+@cli.command("export")
+@click.argument("plan_path", metavar="PLAN", type=click.Path(path_type=Path))
+@click.option("--to", "target", type=click.Choice(["megatron", "torchtitan"], case_sensitive=False), required=True,
+              help="megatron: Megatron-LM launch flags; torchtitan: a job config TOML fragment.")
+@click.option("--config", type=click.Path(path_type=Path),
+              help="Run config giving the model and the training settings (default: the embedded one).")
+@click.option("--global-batch", type=click.IntRange(min=1), help="Samples per step (default: the config's).")
+@json_option
+def export(plan_path: Path, target: str, config: Path | None, global_batch: int | None, as_json: bool) -> None:
+    """Write a plan as another framework's launch arguments; say what that framework cannot express."""
+    from dflop.export import export_plan
+    from dflop.specs.loading import load_spec
+    from dflop.specs.plan import Plan
+    from dflop.specs.run import load_run_config
+
+    plan = load_spec(Plan, plan_path)
+    run_config = load_run_config(config)
+    result = export_plan(plan, run_config.model, target, training=run_config.training,
+                         global_batch=global_batch or run_config.training.global_batch)
+    emit(result.as_dict(), as_json, lambda r: r["text"])
 
 
 def _writable(path: Path) -> Path:

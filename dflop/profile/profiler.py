@@ -42,6 +42,9 @@ from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIN_SAMPLE_MS = {"cpu": 20.0, "cuda": 1.0}
+REPEATS = {"cpu": 7, "cuda": 20}
+"""Timed repeats per shape unless told otherwise."""
+WARMUP = 2
 Progress = Callable[[str, int, int], None]
 
 
@@ -237,7 +240,7 @@ class ProfileReport:
 
 def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
                   tps: tuple[int, ...] = (1,), grid: str | None = None, llm: str | None = None,
-                  warmup: int = 2, repeats: int | None = None,
+                  warmup: int = WARMUP, repeats: int | None = None,
                   progress: Progress | None = None) -> ProfileReport:
     kind, spec = resolve(name)
     dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
@@ -246,7 +249,7 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
     if grid not in (None, *GRIDS):
         raise DflopError(f"--grid {grid}: unknown (known: {', '.join(GRIDS)})")
     chosen = GRIDS[grid or ("gpu" if device == "cuda" else "cpu")]
-    repeats = repeats or (20 if device == "cuda" else 7)
+    repeats = repeats or REPEATS[device]
     pair = MLLMSpec(encoder=spec, llm=presets.llm(llm or default_llm(spec.name))) if kind == "encoder" else None
     done = {record_key(r) for r in store.read()}
     todo = [(tp, job) for tp in tps for job in jobs(kind, spec, pair, tp, chosen, torch_dtype, device)]
