@@ -9,10 +9,13 @@ import math
 import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dflop.errors import ManifestError
 from dflop.specs import presets
 from dflop.workload import Modality, read_manifest
+from dflop.workload.sample import unique_ids
 from dflop.workload.tokens import estimate_text_tokens
 from media_files import image, turns, write_json, write_jsonl
 
@@ -46,6 +49,7 @@ LLAVA_ENTRIES = [
     {"id": "clip", "video": "videos/clip.mp4", "duration": 42.5, "conversations": turns("<image>\nWhat happens?")},
     {"id": "short", "video": "videos/short.mp4", "frames": 8, "conversations": turns("<video>\nAnd here?")},
     {"id": "chat", "conversations": turns("Hello there", "General Kenobi")},
+    {"id": "lmms", "system_prompt": "Answer briefly.", "conversations": turns("Hello there", "General Kenobi")},
 ]
 
 
@@ -66,7 +70,8 @@ def test_llava_schema_by_the_rules(folder, suffix):
     # ceil(characters / 4) + 5 template tokens a turn, placeholders removed.
     assert s["square"].text_tokens == (math.ceil(40 / 4) + 5) + (math.ceil(8 / 4) + 5)
     assert s["chat"].text_tokens == (math.ceil(11 / 4) + 5) + (math.ceil(14 / 4) + 5)
-    assert report.sources[0]["format"] == "llava" and report.sources[0]["samples"] == 7
+    assert s["lmms"].text_tokens == s["chat"].text_tokens + math.ceil(15 / 4) + 5   # system_prompt: a turn
+    assert report.sources[0]["format"] == "llava" and report.sources[0]["samples"] == 8
 
 
 def test_sharegpt_schema_llamafactory_and_swift(folder):
@@ -142,6 +147,16 @@ def test_ids_stay_unique_and_rows_keep_their_identity(folder):
     assert len(set(table.ids)) == len(table)
     schedule = StepSchedule(tuple(table.ids), np.arange(len(table)), len(table), 1)
     assert schedule.aligned(table).tolist() == list(range(len(table)))   # each row in its own bin
+
+
+@given(st.lists(st.sampled_from(["a", "b", "a#2", "a#3", "b#2", "1", 1, "1#2"]), max_size=30))
+def test_unique_ids_invariants(raw):
+    ids, renamed = unique_ids(raw)
+    assert len(ids) == len(raw) and len(set(ids)) == len(ids)
+    assert renamed == len(raw) - len({str(r) for r in raw})
+    kept = [str(r) for k, r in enumerate(raw) if str(r) not in map(str, raw[:k])]
+    assert [i for i in ids if i in kept] == kept                 # the first of each id keeps it, in order
+    assert all(i == str(r) or i.startswith(f"{r}#") for i, r in zip(ids, raw))
 
 
 def test_errors_name_file_line_entry_and_field(folder):

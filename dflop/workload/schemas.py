@@ -7,7 +7,8 @@ InternVL's JSON lines (``internvl`` is the same schema)::
                                                            {"from": "gpt", "value": "A cat."}]}
 
 ``image`` is a path or a list of paths, ``video`` a path; ``<image>`` stands
-for an image or (LLaVA-Video) the video, ``<video>`` for the video.
+for an image or (LLaVA-Video) the video, ``<video>`` for the video; an optional
+``system_prompt`` (lmms-finetune) is one more turn of text.
 
 ``sharegpt``: LLaMA-Factory and ms-swift::
 
@@ -148,26 +149,32 @@ def _media(entry: dict, where: str, images: list[str], videos: list[str], turns:
     return Parsed(entry.get("id"), turns, images, videos, sizes, frames, durations)
 
 
+def _system(entry: dict, where: str, key: str, turns: list[str]) -> list[str]:
+    system = entry.get(key)
+    if system is None:
+        return turns
+    if not isinstance(system, str):
+        raise field_error(where, key, f"expected a string, got {type(system).__name__}")
+    return [system, *turns] if system else turns
+
+
 def parse_llava(entry: dict, where: str) -> Parsed:
     turns = _texts(entry, where, "conversations", ("value",))
     images = _paths(entry.get("image"), where, "image", single=True)
     videos = _paths(entry.get("video"), where, "video", single=True)
     if len(videos) > 1:
         raise field_error(where, "video", "expected one path (a list of videos is the sharegpt schema's 'videos')")
-    return _media(entry, where, images, videos,
-                  _placeholders(turns, len(images), len(videos), where, "conversations", strict=False))
+    turns = _placeholders(turns, len(images), len(videos), where, "conversations", strict=False)
+    return _media(entry, where, images, videos, _system(entry, where, "system_prompt", turns))
 
 
 def parse_sharegpt(entry: dict, where: str) -> Parsed:
     key = "messages" if "messages" in entry else "conversations"
     turns = _texts(entry, where, key, ("content", "value"))
-    system = entry.get("system")
-    if system is not None and not isinstance(system, str):
-        raise field_error(where, "system", f"expected a string, got {type(system).__name__}")
     images = _paths(entry.get("images"), where, "images", single=False)
     videos = _paths(entry.get("videos"), where, "videos", single=False)
     turns = _placeholders(turns, len(images), len(videos), where, key, strict=True)
-    return _media(entry, where, images, videos, [system, *turns] if system else turns)
+    return _media(entry, where, images, videos, _system(entry, where, "system", turns))
 
 
 PARSERS = {Schema.LLAVA: parse_llava, Schema.SHAREGPT: parse_sharegpt, Schema.INTERNVL: parse_llava}
