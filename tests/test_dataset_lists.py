@@ -73,7 +73,7 @@ def test_internvl_meta_roots_repeats_and_counts(tmp_path):
         {"id": "c", "image": "1.jpg", "conversations": turns("<image>\nx")},
         {"image": ["1.jpg", "1.jpg", "1.jpg"], "conversations": turns("<image><image><image>")}])
     write_jsonl(tmp_path / "ann/text.jsonl", texts("t", 10))
-    meta = {"coco": {"root": "data/coco/", "annotation": "ann/coco.jsonl", "repeat_time": 2, "length": 2,
+    meta = {"{coco}": {"root": "data/coco/", "annotation": "ann/coco.jsonl", "repeat_time": 2, "length": 2,
                      "data_augment": False},
             "coco_small": {"root": "data/coco/", "annotation": "ann/coco.jsonl", "repeat_time": 1,
                            "max_dynamic_patch": 2},
@@ -82,7 +82,7 @@ def test_internvl_meta_roots_repeats_and_counts(tmp_path):
     report = read_manifest(path, INTERNVIT)
     s = report.samples
     # repeat_time 2: both entries twice, repeats renamed; ids of unnamed entries are source:position.
-    assert s.ids.tolist()[:4] == ["c", "coco:1", "c#2", "coco:1#2"]
+    assert s.ids.tolist()[:4] == ["c", "{coco}:1", "c#2", "{coco}:1#2"]
     # 1000x500 under max 12 tiles: 2x1 + thumbnail; three images at 12 // 3 = 4 each: 3 tiles each.
     assert s.tiles.tolist()[:4] == [3, 9, 3, 9]
     # max_dynamic_patch 2 for that source: 1000x500 -> 2x1 + thumbnail; 3 images at max(1, 2 // 3) = 1.
@@ -90,7 +90,7 @@ def test_internvl_meta_roots_repeats_and_counts(tmp_path):
     # repeat_time 0.35 keeps the first int(10 * 0.35) = 3, as InternVL does.
     assert s.ids.tolist()[6:] == ["t0", "t1", "t2"]
     assert [(r["name"], r["entries"], r["samples"], r.get("declared_length")) for r in report.sources] == \
-        [("coco", 2, 4, 2), ("coco_small", 2, 2, None), ("text", 10, 3, 12)]
+        [("{coco}", 2, 4, 2), ("coco_small", 2, 2, None), ("text", 10, 3, 12)]
     assert report.sources[0]["root"] == str(tmp_path / "data/coco")
 
 

@@ -173,6 +173,7 @@ def test_errors_name_file_line_entry_and_field(folder):
     ({"conversations": "hello"}, "conversations"),
     ({"image": "images/a.png", "width": -4, "height": 5, "conversations": turns("x")}, "width"),
     ({"image": "images/a.png", "width": 4.5, "height": 5, "conversations": turns("x")}, "width"),
+    ({"image": "images/a.png", "width": 40, "conversations": turns("x")}, "height"),
     ({"image": ["images/a.png", "images/a.png"], "width": [4], "height": [4], "conversations": turns("x")},
      "width"),
     ({"conversations": turns("<image> x")}, "conversations"),

@@ -161,7 +161,8 @@ class _Reader:
     def full(self) -> bool:
         return self.limit is not None and self.read >= self.limit
 
-    def source(self, src: Source, data: bytes, default_id: str) -> None:
+    def source(self, src: Source, data: bytes, id_prefix: str) -> None:
+        """Read one source; an entry without an id is ``id_prefix`` + its position."""
         tiling = self.encoder.tiling
         if src.max_tiles is not None and tiling.scheme == "dynamic":
             tiling = replace(tiling, max_tiles=src.max_tiles)
@@ -186,7 +187,7 @@ class _Reader:
                 self.skips.add(exc)
                 continue
             schemas[schema] += 1
-            sample_id = str(parsed.id) if parsed.id is not None else default_id.format(index=index)
+            sample_id = str(parsed.id) if parsed.id is not None else f"{id_prefix}{index}"
             row = columns.add(sample_id, 0 if batched else estimate_text_tokens(parsed.turns), sizes, videos)
             if batched:
                 pending.append((row, parsed.turns))
@@ -272,8 +273,7 @@ def read_manifest(path: str | Path, encoder: EncoderSpec, *, format: str = "auto
         if reader.full():
             break
         listed = kind is not Kind.MANIFEST
-        reader.source(src, _listed_bytes(src, path) if listed else data,
-                      f"{src.name}:{{index}}" if listed else "{index}")
+        reader.source(src, _listed_bytes(src, path) if listed else data, f"{src.name}:" if listed else "")
     if not reader.tables:
         skipped = reader.skips
         detail = f" ({skipped.total} skipped: {skipped.text()}; first: {skipped.first()})" if skipped.total else ""

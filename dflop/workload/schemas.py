@@ -117,8 +117,11 @@ def _sizes(entry: dict, images: int, where: str) -> list[tuple[int, int]] | None
         return list(zip(w, h))
     widths = _per_item(entry, "width", images, where, lambda v, n: media.count(v, where, n, media.MAX_PIXELS))
     heights = _per_item(entry, "height", images, where, lambda v, n: media.count(v, where, n, media.MAX_PIXELS))
-    if widths is None or heights is None:
+    if widths is None and heights is None:
         return None
+    if widths is None or heights is None:
+        missing = "height" if heights is None else "width"
+        raise field_error(where, missing, "missing: give both 'width' and 'height', or neither")
     return [media.check_pixels(w, h, where, f"image {k}") for k, (w, h) in enumerate(zip(widths, heights))]
 
 
