@@ -32,33 +32,52 @@ def profile() -> None:
 
 
 @profile.command("data")
-@click.option("--dataset", type=click.Path(path_type=Path), help="LLaVA-format manifest (JSON or JSONL).")
+@click.option("--dataset", type=click.Path(path_type=Path),
+              help="Manifest (LLaVA, ShareGPT/LLaMA-Factory/ms-swift or InternVL; JSON or JSON lines) or dataset "
+                   "list (LLaVA-NeXT data YAML, InternVL meta JSON).")
+@click.option("--format", "fmt", type=click.Choice(["auto", "llava", "sharegpt", "internvl", "data-yaml",
+                                                    "meta-json"]), default="auto", show_default=True,
+              help="What --dataset is (detected when auto).")
 @click.option("--preset", help="Synthetic mix: llava-ov, image-heavy, video-heavy, text-only.")
 @click.option("--samples", type=click.IntRange(min=1), help="Samples to draw (preset, default 5000) "
               "or to read at most (dataset).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the preset's draws, of random:N sampling and of InternVL's frame counts.")
 @click.option("--encoder", default="siglip-so400m", show_default=True,
-              help="Encoder whose tiling rules apply.")
+              help="Encoder whose tiling rules apply: a preset or a Hugging Face config.json.")
+@click.option("--video-newline", type=click.Choice(["grid", "frame", "one_token", "none"]),
+              help="Video token layout (LLaVA-NeXT's mm_newline_position; default: the encoder's).")
 @click.option("--image-root", type=click.Path(path_type=Path),
               help="Folder image paths are relative to (default: the manifest's folder).")
+@click.option("--video-root", type=click.Path(path_type=Path),
+              help="Folder video paths are relative to (default: --image-root, else the manifest's folder).")
+@click.option("--tokenizer", type=click.Path(path_type=Path),
+              help="Count text tokens with this tokenizer.json (or checkpoint folder); default: estimate.")
 @click.option("--skip-bad", is_flag=True, help="Skip and count malformed entries instead of failing.")
 @click.option("--plot", type=click.Path(path_type=Path), help="Also draw the shape distributions here.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Data profile (JSON) to write.")
 @json_option
-def profile_data(dataset: Path | None, preset: str | None, samples: int | None, seed: int, encoder: str,
-                 image_root: Path | None, skip_bad: bool, plot: Path | None, out: Path,
-                 as_json: bool) -> None:
+def profile_data(dataset: Path | None, fmt: str, preset: str | None, samples: int | None, seed: int,
+                 encoder: str, video_newline: str | None, image_root: Path | None, video_root: Path | None,
+                 tokenizer: Path | None, skip_bad: bool, plot: Path | None, out: Path, as_json: bool) -> None:
     """Record the per-sample shapes of a dataset or a synthetic mix."""
-    from dflop.specs import presets
+    from dataclasses import replace
+
+    from dflop.specs.models import EncoderSpec
     from dflop.workload import profile_dataset, profile_mix
 
     if (dataset is None) == (preset is None):
         raise click.UsageError("give exactly one of --dataset and --preset")
-    enc = presets.encoder(encoder, where="--encoder")
+    enc = EncoderSpec.coerce(encoder, "--encoder")
+    if video_newline is not None:
+        enc = replace(enc, tiling=replace(enc.tiling, video_newline=video_newline))
+    _writable(out)
     if preset is not None:
         prof = profile_mix(preset, samples or 5000, enc, seed)
     else:
-        prof = profile_dataset(dataset, enc, image_root=image_root, skip_bad=skip_bad, samples=samples)
+        prof = profile_dataset(dataset, enc, format=fmt, image_root=image_root, video_root=video_root,
+                               tokenizer=tokenizer, skip_bad=skip_bad, samples=samples, seed=seed)
+        _log_skips(prof.source)
     prof.save(out)
     summary = prof.summary()
     result: dict[str, Any] = {"out": str(out), "source": prof.source, "samples": summary["samples"],
@@ -68,19 +87,38 @@ def profile_data(dataset: Path | None, preset: str | None, samples: int | None, 
         from dflop.viz.data import plot_data_profile
 
         result["plot"] = str(plot_data_profile(prof, plot))
+    emit(result, as_json, _data_profile_text)
 
-    def human(r: dict[str, Any]) -> str:
-        lines = [f"data profile of {r['samples']} samples -> {r['out']}"
-                 + (f" ({r['skipped']} bad entries skipped)" if r["skipped"] else "")]
-        for name, block in {**r["modalities"], "all": r["all"]}.items():
-            lines.append(f"  {name:<12} {block['count']:>7} ({block['share']:6.1%})")
-            lines.append(f"      tiles       {fmt_stats(block['tiles'])}")
-            lines.append(f"      LLM tokens  {fmt_stats(block['llm_tokens'])}")
-        if "plot" in r:
-            lines.append(f"plot -> {r['plot']}")
-        return "\n".join(lines)
 
-    emit(result, as_json, human)
+def _log_skips(source: dict[str, Any]) -> None:
+    """The --skip-bad summary on stderr: a count per reason and a few examples of each."""
+    if not source.get("skipped"):
+        return
+    reasons = ", ".join(f"{n} {reason}" for reason, n in source["skipped_reasons"].items())
+    log(f"dflop: skipped {source['skipped']} bad entries: {reasons}")
+    for example in source["skipped_examples"]:
+        log(f"  {example}")
+
+
+def _data_profile_text(r: dict[str, Any]) -> str:
+    src = r["source"]
+    lines = [f"data profile of {r['samples']} samples -> {r['out']}"
+             + (f" ({r['skipped']} bad entries skipped)" if r["skipped"] else "")]
+    if src.get("kind") == "dataset":
+        renamed = src["renamed_ids"]
+        lines.append(f"  text tokens: {src['text_tokens']}"
+                     + (f"; {renamed} repeated ids renamed id#2, id#3, ..." if renamed else ""))
+        for s in src["sources"] if len(src["sources"]) > 1 else []:
+            skipped = f", {s['skipped']} skipped" if s["skipped"] else ""
+            lines.append(f"  source {s['name']:<16} {s['samples']:>7} samples of {s['entries']} entries "
+                         f"({s['sampling']}, {s['format']}){skipped}")
+    for name, block in {**r["modalities"], "all": r["all"]}.items():
+        lines.append(f"  {name:<12} {block['count']:>7} ({block['share']:6.1%})")
+        lines.append(f"      tiles       {fmt_stats(block['tiles'])}")
+        lines.append(f"      LLM tokens  {fmt_stats(block['llm_tokens'])}")
+    if "plot" in r:
+        lines.append(f"plot -> {r['plot']}")
+    return "\n".join(lines)
 
 
 @profile.command("model")
