@@ -42,6 +42,9 @@ from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIN_SAMPLE_MS = {"cpu": 20.0, "cuda": 1.0}
+REPEATS = {"cpu": 7, "cuda": 20}
+"""Timed repeats per shape unless told otherwise."""
+WARMUP = 2
 Progress = Callable[[str, int, int], None]
 
 
@@ -56,8 +59,8 @@ class Grid:
 
 
 GRIDS = {
-    "cpu": Grid(tokens=(128, 256, 512, 1024, 2048, 4096, 8192), seq=(64, 256, 1024, 4096),
-                tiles=(1, 2, 4, 8, 16, 32, 64), holdout_llm=((384, 128), (1536, 512), (6144, 2048)),
+    "cpu": Grid(tokens=(128, 256, 512, 1024, 2048, 4096, 8192, 16384), seq=(64, 256, 1024, 4096),
+                tiles=(1, 2, 4, 8, 16, 32, 64, 128, 256), holdout_llm=((384, 128), (1536, 512), (6144, 2048)),
                 holdout_tiles=(3, 12, 48)),
     "gpu": Grid(tokens=(1024, 2048, 4096, 8192, 16384, 32768), seq=(512, 2048, 8192), tiles=(1, 4, 8, 16, 32, 64),
                 holdout_llm=((3072, 1024), (6144, 2048), (12288, 4096)), holdout_tiles=(6, 12, 24)),
@@ -237,7 +240,7 @@ class ProfileReport:
 
 def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
                   tps: tuple[int, ...] = (1,), grid: str | None = None, llm: str | None = None,
-                  warmup: int = 2, repeats: int | None = None,
+                  warmup: int = WARMUP, repeats: int | None = None,
                   progress: Progress | None = None) -> ProfileReport:
     kind, spec = resolve(name)
     dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
@@ -246,7 +249,7 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
     if grid not in (None, *GRIDS):
         raise DflopError(f"--grid {grid}: unknown (known: {', '.join(GRIDS)})")
     chosen = GRIDS[grid or ("gpu" if device == "cuda" else "cpu")]
-    repeats = repeats or (20 if device == "cuda" else 7)
+    repeats = repeats or REPEATS[device]
     pair = MLLMSpec(encoder=spec, llm=presets.llm(llm or default_llm(spec.name))) if kind == "encoder" else None
     done = {record_key(r) for r in store.read()}
     todo = [(tp, job) for tp in tps for job in jobs(kind, spec, pair, tp, chosen, torch_dtype, device)]
