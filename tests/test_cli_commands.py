@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import yaml
 from PIL import Image
 
@@ -69,6 +70,13 @@ def test_run_compares_with_the_baseline(tmp_path):
     assert out["speedup"] == out["baseline"]["step_time_s"]["mean"] / out["step_time_s"]["mean"]
     for path in out["artifacts"].values():
         assert (tmp_path / "run" / path.split("/")[-1]).exists()
+    # every (space, batching rule) with its plan or its reason; the speedup split into plan and balance gains
+    assert {(b["space"], b["batching"]) for b in out["baselines"]} == {
+        (s, r) for s in ("megatron", "pytorch") for r in ("arrival", "modality-length", "token-budget")}
+    assert all(set(b) >= {"plan", "step_time_s", "mfu"} for b in out["baselines"])
+    d = out["decomposition"]
+    assert d["plan_gain"] * d["balance_gain"] == pytest.approx(out["speedup"])
+    assert 0 < out["mfu"] <= out["hfu"] < 1 and 0 < out["baseline"]["mfu"] < 1
 
 
 def test_simulate_rejects_a_plan_that_does_not_fit(tmp_path):

@@ -159,3 +159,12 @@ def test_quick_starts_from_a_given_feasible_assignment_when_lpt_finds_no_room():
     got = quick(problem, start)
     assert sorted(np.bincount(got.assignment, weights=sizes[:, 0]).tolist()) == [6.0, 6.0]
     assert got.makespan == 6.0
+
+
+def test_a_prediction_above_the_hardware_s_plausible_mfu_is_flagged():
+    from dflop.plan.report import implausible
+
+    h100 = presets.hardware("h100")
+    assert implausible("dflop", h100.plausible_mfu, h100) == []
+    [warning] = implausible("dflop", h100.plausible_mfu + 0.01, h100)
+    assert f"exceeds the plausible {h100.plausible_mfu:.0%}" in warning and "not calibrated" in warning

@@ -1,10 +1,10 @@
 """The plan's activation recomputation: how a stage calls each of its transformer blocks.
 
 Each block is called through torch's non-reentrant ``torch.utils.checkpoint``
-from the stage's forward (so parameter names and module structure stay as they
-are, and tensor parallelism and FSDP2's hooks on the block run inside the
-checkpointed region; FSDP2 skips its gather when the backward reruns the
-forward, having gathered for the backward already):
+from the stage's forward, so parameter names and module structure stay as they
+are, and the hooks tensor parallelism and FSDP2 put on the block run inside the
+checkpointed region and again when the backward reruns it (the fp64 tests hold
+the result equal to the sequential run's under TP, ZeRO-2/3 and HSDP):
 
 - ``full``: a block keeps only its input; its backward reruns its forward
   (Megatron's ``--recompute-granularity full``, torchtitan's full AC);
