@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dflop.config_check import check_plan, check_run_config
 from dflop.cost.protocol import CostModel
 from dflop.cost.select import select_cost_model
 from dflop.errors import DflopError, ensure_writable_folder
@@ -72,6 +73,7 @@ def load_data(config: RunConfig) -> tuple[SampleTable, str]:
 
 def setup(config_path: str | Path | None = None, *, gpus: int | None = None, log: Log = _stderr) -> Setup:
     config = load_run_config(config_path)
+    check_run_config(config, str(config_path or "default_run.yaml"))
     cluster = config.cluster.with_gpus(gpus) if gpus else config.cluster
     data, source = load_data(config)
     cost, note = select_cost_model(config.model, cluster.hardware, config.training, config.profiles, log)
@@ -217,6 +219,7 @@ def pick_plan(s: Setup, plan_path: Path | None, schedule: str | None, log: Log =
 
     if plan_path is not None:
         plan = load_spec(Plan, plan_path)
+        check_plan(plan, f"{plan_path}:", s.config, s.cluster)
     elif s.config.plan is not None:
         plan = s.config.plan
     else:

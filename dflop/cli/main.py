@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,9 @@ from typing import Any
 import click
 
 from dflop.cli.output import emit, fmt_stats, log
-from dflop.errors import DflopError, ensure_writable_folder
+from dflop.errors import DflopError, check_output, ensure_writable_folder
+from dflop.specs.limits import MAX_SAMPLES, MAX_STEPS
+from dflop.viz.style import IMAGE_SUFFIXES
 
 JSON_HELP = "Print exactly one JSON object on stdout (logs go to stderr)."
 
@@ -18,8 +21,35 @@ def json_option(f: Any) -> Any:
     return click.option("--json", "as_json", is_flag=True, help=JSON_HELP)(f)
 
 
+class Output(click.Path):
+    """A path a command writes, checked when the command line is read, before any work."""
+
+    def __init__(self, *, folder: bool = False, suffixes: tuple[str, ...] = ()) -> None:
+        super().__init__(path_type=Path)
+        self.folder, self.suffixes = folder, suffixes
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        try:
+            return check_output(super().convert(value, param, ctx), folder=self.folder, suffixes=self.suffixes)
+        except DflopError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def pipeline_schedule(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--schedule: a known pipeline schedule's canonical name."""
+    if value is None:
+        return None
+    from dflop.program.schedules import canonical
+
+    try:
+        return canonical(value)
+    except DflopError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors (anywhere on the line).")
+@click.version_option(package_name="dflop", prog_name="dflop", message="%(prog)s %(version)s")
 def cli(debug: bool) -> None:
     """dflop: data-aware planning, scheduling and simulation of multimodal LLM training."""
 
@@ -34,16 +64,16 @@ def profile() -> None:
 @profile.command("data")
 @click.option("--dataset", type=click.Path(path_type=Path), help="LLaVA-format manifest (JSON or JSONL).")
 @click.option("--preset", help="Synthetic mix: llava-ov, image-heavy, video-heavy, text-only.")
-@click.option("--samples", type=click.IntRange(min=1), help="Samples to draw (preset, default 5000) "
+@click.option("--samples", type=click.IntRange(1, MAX_SAMPLES), help="Samples to draw (preset, default 5000) "
               "or to read at most (dataset).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--encoder", default="siglip-so400m", show_default=True,
               help="Encoder whose tiling rules apply.")
 @click.option("--image-root", type=click.Path(path_type=Path),
               help="Folder image paths are relative to (default: the manifest's folder).")
 @click.option("--skip-bad", is_flag=True, help="Skip and count malformed entries instead of failing.")
-@click.option("--plot", type=click.Path(path_type=Path), help="Also draw the shape distributions here.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Data profile (JSON) to write.")
+@click.option("--plot", type=Output(suffixes=IMAGE_SUFFIXES), help="Also draw the shape distributions here.")
+@click.option("--out", type=Output(), required=True, help="Data profile (JSON) to write.")
 @json_option
 def profile_data(dataset: Path | None, preset: str | None, samples: int | None, seed: int, encoder: str,
                  image_root: Path | None, skip_bad: bool, plot: Path | None, out: Path,
@@ -94,7 +124,7 @@ def profile_data(dataset: Path | None, preset: str | None, samples: int | None, 
               help="Shapes to measure (default: cpu or gpu by device).")
 @click.option("--repeats", type=click.IntRange(min=1), default=None, help="Timed repeats per shape (median kept).")
 @click.option("--llm", "pair_llm", default=None, help="For an encoder: the LLM its projector maps into.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Profile store folder.")
+@click.option("--out", type=Output(folder=True), required=True, help="Profile store folder.")
 @json_option
 def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[int, ...], grid: str | None,
                   repeats: int | None, pair_llm: str | None, out: Path, as_json: bool) -> None:
@@ -120,7 +150,7 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
 @cli.command()
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
 @click.option("--gpus", type=click.IntRange(min=1), help="Plan for this many GPUs instead of the config's.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Plan (YAML) to write.")
+@click.option("--out", type=Output(), required=True, help="Plan (YAML) to write.")
 @json_option
 def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) -> None:
     """Choose tensor/pipeline/data parallelism for the encoder and the LLM."""
@@ -131,7 +161,7 @@ def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) ->
     s = job.setup(config, gpus=gpus)
     with progress_bar() as progress:
         result = job.optimize(s, progress=progress)
-    save_spec(result.best.plan, _writable(out))
+    save_spec(result.best.plan, out)
     data = {**job.optimize_json(result, s.cluster.hardware.usable_memory_bytes), "out": str(out)}
 
     def human(r: dict[str, Any]) -> str:
@@ -189,9 +219,10 @@ def schedule(items: Path, bins: int, solver: str, time_limit: float, as_json: bo
 @cli.command()
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
 @click.option("--plan", "plan_path", type=click.Path(path_type=Path), help="Plan YAML to simulate.")
-@click.option("--schedule", "schedule_name", help="Pipeline schedule (overrides the plan's).")
-@click.option("--steps", type=click.IntRange(min=1), help="Steps to simulate.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("out/simulate"), show_default=True)
+@click.option("--schedule", "schedule_name", callback=pipeline_schedule,
+              help="Pipeline schedule (overrides the plan's).")
+@click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Steps to simulate.")
+@click.option("--out", type=Output(folder=True), default=Path("out/simulate"), show_default=True)
 @json_option
 def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | None, steps: int | None,
              out: Path, as_json: bool) -> None:
@@ -224,8 +255,8 @@ def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | N
 @cli.command()
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
 @click.option("--backend", type=click.Choice(["sim", "torch"]), default="sim", show_default=True)
-@click.option("--steps", type=click.IntRange(min=1), help="Steps to run.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("out/run"), show_default=True)
+@click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Steps to run.")
+@click.option("--out", type=Output(folder=True), default=Path("out/run"), show_default=True)
 @json_option
 def run(config: Path | None, backend: str, steps: int | None, out: Path, as_json: bool) -> None:
     """Profile, optimize, schedule every step, execute, compare with the data-blind baseline."""
@@ -263,7 +294,8 @@ def plot() -> None:
 
 @plot.command("timeline")
 @click.argument("trace", type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="PNG to write.")
+@click.option("--out", type=Output(suffixes=IMAGE_SUFFIXES), required=True,
+              help=f"Picture to write ({', '.join(IMAGE_SUFFIXES)}).")
 @click.option("--compare", type=click.Path(path_type=Path), help="A second trace, drawn below on the same axis.")
 @json_option
 def plot_timeline(trace: Path, out: Path, compare: Path | None, as_json: bool) -> None:
@@ -274,28 +306,43 @@ def plot_timeline(trace: Path, out: Path, compare: Path | None, as_json: bool) -
 
     doc = load_trace(trace)
     other = load_trace(compare) if compare is not None else None
-    path = plot_timeline(doc, _writable(out), compare=other,
+    path = plot_timeline(doc, out, compare=other,
                          labels=(trace.stem, compare.stem) if compare is not None else ("", ""))
     data = {"out": str(path), "metrics": metrics(doc).as_dict()}
-    emit(data, as_json, lambda r: f"timeline -> {r['out']} (step {r['metrics']['step_time_s']['mean']:.3f} s, "
-                                  f"bubbles {r['metrics']['bubble_fraction']:.1%})")
 
+    def human(r: dict[str, Any]) -> str:
+        m = r["metrics"]
+        if not m["steps"]:
+            return f"timeline -> {r['out']} (no steps in the trace)"
+        bubbles = "-" if m["bubble_fraction"] is None else f"{m['bubble_fraction']:.1%}"
+        return f"timeline -> {r['out']} (step {m['step_time_s']['mean']:.3f} s, bubbles {bubbles})"
 
-def _writable(path: Path) -> Path:
-    """Fail early, before any work, when the output cannot be written."""
-    ensure_writable_folder(path.parent, "output")
-    return path
+    emit(data, as_json, human)
 
 
 # ---- entry point -----------------------------------------------------------------------------
 
+_LINE_BREAK = re.compile("[\n\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
+
+
+def _one_line(message: object) -> str:
+    """The message on one line: line breaks it quotes from the input are shown escaped."""
+    return _LINE_BREAK.sub(lambda m: repr(m.group())[1:-1], str(message))
+
+
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001
-    return f"dflop: warning: {message}\n"
+    return f"dflop: warning: {_one_line(message)}\n"
+
+
+def _without_debug(args: list[str]) -> tuple[list[str], bool]:
+    """The command line without its ``--debug`` flags (accepted anywhere before a ``--``)."""
+    end = args.index("--") if "--" in args else len(args)
+    kept = [a for a in args[:end] if a != "--debug"] + args[end:]
+    return kept, len(kept) < len(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in args
+    args, debug = _without_debug(list(sys.argv[1:] if argv is None else argv))
     if not debug:
         import warnings
 
@@ -310,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as exc:
         if debug:
             raise
-        log(f"dflop: error: {exc.format_message()}")
+        log(f"dflop: error: {_one_line(exc.format_message())}")
         return 2
     except DflopError as exc:
         if debug:
@@ -318,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             if details:
                 log(details)
             raise
-        log(f"dflop: error: {exc}")
+        log(f"dflop: error: {_one_line(exc)}")
         return 2
     except KeyboardInterrupt:
         log("dflop: interrupted")
@@ -326,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug: say so in one line, the traceback under --debug
         if debug:
             raise
-        log(f"dflop: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)")
+        log(f"dflop: internal error: {type(exc).__name__}: {_one_line(exc)} (rerun with --debug for the traceback)")
         return 1
     return 0
 

@@ -240,14 +240,19 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
                   warmup: int = 2, repeats: int | None = None,
                   progress: Progress | None = None) -> ProfileReport:
     kind, spec = resolve(name)
+    pair = None
+    if kind == "encoder":
+        pair = MLLMSpec(encoder=spec, llm=presets.llm(llm or default_llm(spec.name), where="--llm"))
+    elif llm is not None:
+        raise DflopError(f"--llm {llm}: applies only when profiling an encoder (it sets the projector's "
+                         f"output width); {spec.name} is an LLM")
     dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
     torch_dtype = check_device(device, dtype)
-    store = ProfileStore.in_dir(out)
     if grid not in (None, *GRIDS):
         raise DflopError(f"--grid {grid}: unknown (known: {', '.join(GRIDS)})")
+    store = ProfileStore.in_dir(out)
     chosen = GRIDS[grid or ("gpu" if device == "cuda" else "cpu")]
     repeats = repeats or (20 if device == "cuda" else 7)
-    pair = MLLMSpec(encoder=spec, llm=presets.llm(llm or default_llm(spec.name))) if kind == "encoder" else None
     done = {record_key(r) for r in store.read()}
     todo = [(tp, job) for tp in tps for job in jobs(kind, spec, pair, tp, chosen, torch_dtype, device)]
     where = device_name(device)

@@ -11,7 +11,7 @@ from typing import Literal
 
 from dflop.errors import PlanError
 from dflop.specs.hardware import ClusterSpec
-from dflop.specs.loading import require
+from dflop.specs.loading import check_numbers, require
 from dflop.specs.models import MLLMSpec
 
 Module = Literal["encoder", "llm"]
@@ -29,6 +29,7 @@ class ModulePlan:
     """Layers of each (virtual) pipeline stage, first to last; empty means an even split."""
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         for name in ("tp", "pp", "dp"):
             require(getattr(self, name) >= 1, f"{name}: must be at least 1, got {getattr(self, name)}")
         require(all(n >= 1 for n in self.layers_per_stage),
@@ -68,6 +69,7 @@ class Plan:
     (Megatron's distributed optimizer), 3 everything sharded (FSDP)."""
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         require(self.microbatches >= 1, f"microbatches: must be at least 1, got {self.microbatches}")
         require(self.virtual_stages >= 1,
                 f"virtual_stages: must be at least 1, got {self.virtual_stages}")

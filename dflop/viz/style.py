@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dflop.errors import DflopError
+from dflop.errors import DflopError, check_output
+
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+"""Figure files dflop writes (matplotlib picks the format from the suffix)."""
 
 COLORS = {
     "text": "#7f7f7f",
@@ -37,6 +40,7 @@ def save(fig: Any, path: str | Path) -> Path:
 
     p = Path(path)
     try:
+        check_output(p, suffixes=IMAGE_SUFFIXES)
         p.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(p, dpi=110, bbox_inches="tight")
     except OSError as exc:

@@ -84,16 +84,23 @@ def _draw(ax: Any, doc: dict[str, Any], rows: list[int], scale: float, title: st
     ax.invert_yaxis()
     ax.set_xlim(0, end * 1.01)
     ax.set_title(title, fontsize=10, loc="left")
-    ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=7, fontsize=7, frameon=False,
-              borderaxespad=0.2)
+    if bars:
+        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=7, fontsize=7, frameon=False,
+                  borderaxespad=0.2)
 
 
 def _summary(doc: dict[str, Any], label: str, shown: int) -> str:
     m = metrics(doc)
     total = len(doc.get("otherData", {}).get("workers", [])) or shown
     ranks = f"{total} ranks" if shown == total else f"{shown} of {total} ranks shown"
-    return (f"{label}step {m.step_time_mean:.3g} s | bubble {m.bubble_fraction:.1%} | "
-            f"idle {m.idle_fraction:.1%} | {ranks}")
+    if not m.steps:
+        return f"{label}no steps | {ranks}"
+    return (f"{label}step {m.step_time_mean:.3g} s | bubble {_share(m.bubble_fraction)} | "
+            f"idle {_share(m.idle_fraction)} | {ranks}")
+
+
+def _share(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.1%}"
 
 
 def plot_timeline(doc: dict[str, Any], path: str | Path, *, compare: dict[str, Any] | None = None,
