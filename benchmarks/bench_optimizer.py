@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from dflop.cost import AnalyticalCostModel
+from dflop.cost import AnalyticalCostModel, System
 from dflop.plan.evaluate import PlanningProblem
 from dflop.plan.search import optimize
 from dflop.specs import ClusterSpec, TrainingSpec, presets
@@ -23,7 +23,8 @@ def problem(encoder: str, llm: str, gpus: int, mix: str = "llava-ov") -> tuple[P
     batch = 8 * gpus
     training = TrainingSpec(global_batch=batch, recompute="full")
     data = profile_mix(mix, 20000, model.encoder, seed=0).samples
-    return PlanningProblem(model, cluster, training, AnalyticalCostModel(model, cluster.hardware, training), data), batch
+    system = System(model, cluster, training, AnalyticalCostModel(model, cluster.hardware, training))
+    return PlanningProblem(system, data), batch
 
 
 def search_times(sizes: tuple[int, ...]) -> None:

@@ -11,11 +11,13 @@ import time
 import numpy as np
 import simpy
 
-from dflop.cost import AnalyticalCostModel
-from dflop.program.costing import StepBuilder, stage_times_timing
+from dflop.cost import AnalyticalCostModel, System
+from dflop.program.costing import stage_times_timing
+from dflop.program.costs import graph_costs, longest_path
 from dflop.program.evaluate import evaluate
-from dflop.program.graph import expand, longest_path
 from dflop.program.schedules import build
+from dflop.program.stepgraph import lower
+from dflop.program.steps import StepRunner
 from dflop.program.template import build_template
 from dflop.sim.engine import execute
 from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, presets
@@ -51,16 +53,18 @@ def pipeline_rate() -> None:
     template = build_template(plan, build("1F1B", p, m))
     rng = np.random.default_rng(0)
     f, b = rng.uniform(1e-3, 2e-3, (p, m)), rng.uniform(2e-3, 4e-3, (p, m))
-    graph = expand(stage_times_timing(template, f, b, np.zeros_like(b), p2p=1e-4))
+    graph = lower(template)
+    costs = graph_costs(graph, stage_times_timing(template, f, b, np.zeros_like(b), p2p=1e-4))
     start = time.perf_counter()
     events = 0
     for _ in range(steps):
-        events += execute(graph, track_memory=False).events
+        events += execute(graph, costs, track_memory=False).events
     ours = time.perf_counter() - start
     bare = min(bare_simpy(events) for _ in range(3))
-    ops = steps * len(graph)
-    print(f"1F1B p={p} m={m}, {steps} steps: {ops} ops, {events} SimPy events in {ours:.2f} s "
-          f"= {ops / ours:,.0f} ops/s, {events / ours:,.0f} events/s")
+    ops = steps * len(graph.compute_nodes())
+    print(f"1F1B p={p} m={m}, {steps} steps: {ops} compute nodes ({steps * len(graph)} nodes with "
+          f"sends and receives), {events} SimPy events in {ours:.2f} s = {ops / ours:,.0f} compute nodes/s, "
+          f"{events / ours:,.0f} events/s")
     print(f"bare SimPy loop, {events} events: {bare:.2f} s = {events / bare:,.0f} events/s")
     print(f"  simulator / bare SimPy event rate: {bare / ours:.2f} (target >= 0.5)")
 
@@ -72,18 +76,20 @@ def big_plan() -> None:
     cost = AnalyticalCostModel(model, cluster.hardware, training)
     plan = Plan(encoder=ModulePlan(tp=1, pp=1, dp=128), llm=ModulePlan(tp=4, pp=4, dp=56), microbatches=16)
     plan.validate(cluster, model, 8192)
-    builder = StepBuilder(build_template(plan), model=model, cluster=cluster, training=training, cost=cost)
+    runner = StepRunner(plan, System(model, cluster, training, cost))
     batch = profile_mix("llava-ov", 20000, model.encoder).sample(8192, np.random.default_rng(0))
     assignment = np.arange(8192) % plan.bins
-    t_timing, timing = best_of(lambda: builder.timing(batch, assignment))
-    t_expand, graph = best_of(lambda: expand(timing))
-    t_sim, ex = best_of(lambda: execute(graph))
+    t_timing, timing = best_of(lambda: runner.builder.timing(batch, assignment))
+    t_lower, graph = best_of(lambda: runner.lower(batch, assignment))
+    t_costs, costs = best_of(lambda: graph_costs(graph, timing))
+    t_sim, ex = best_of(lambda: execute(graph, costs))
     t_fast, fast = best_of(lambda: evaluate(timing))
-    t_ref, (_, end) = best_of(lambda: longest_path(graph))
-    exact = execute(graph, contention=False).makespan
-    print(f"1024-GPU plan [{plan.describe()}]: {len(graph)} ops, {len(graph.workers)} workers")
-    print(f"  costing {t_timing * 1e3:.0f} ms, expanding {t_expand * 1e3:.0f} ms, SimPy step {t_sim:.3f} s "
-          f"(target < 1 s), {ex.events} events")
+    t_ref, (_, end) = best_of(lambda: longest_path(graph, costs))
+    exact = execute(graph, costs, contention=False).makespan
+    print(f"1024-GPU plan [{plan.describe()}]: {len(graph)} nodes ({len(graph.compute_nodes())} compute), "
+          f"{len(graph.workers)} workers")
+    print(f"  costing {t_timing * 1e3:.0f} ms, lowering {t_lower * 1e3:.0f} ms, graph costs {t_costs * 1e3:.0f} ms, "
+          f"SimPy step {t_sim:.3f} s (target < 1 s), {ex.events} events")
     print(f"  fast evaluator {t_fast * 1e3:.1f} ms, reference longest path {t_ref * 1e3:.0f} ms; "
           f"fast evaluator speed-up over SimPy: {t_sim / t_fast:.0f}x")
     print(f"  step {ex.makespan / 1e9:.3f} s with link contention, {exact / 1e9:.3f} s without "

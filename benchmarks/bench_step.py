@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflop.cost import AnalyticalCostModel
-from dflop.program.costing import StepBuilder
+from dflop.cost import AnalyticalCostModel, System
+from dflop.experiments import correction_study
 from dflop.program.evaluate import evaluate
-from dflop.program.graph import expand
-from dflop.program.template import build_template
+from dflop.program.steps import StepRunner
 from dflop.schedule.slots import ORDERS
 from dflop.schedule.step import plan_costs, schedule_batch
 from dflop.sim.engine import execute
-from dflop.sim.experiments import correction_study
 from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, presets
 from dflop.workload import batches, profile_mix
 
@@ -25,6 +23,7 @@ MODEL = presets.model("siglip-so400m", "qwen2.5-7b")
 CLUSTER = ClusterSpec(hardware=presets.hardware("h100"), nodes=4, gpus_per_node=8)
 TRAINING = TrainingSpec(global_batch=256, recompute="full")
 COST = AnalyticalCostModel(MODEL, CLUSTER.hardware, TRAINING)
+SYSTEM = System(MODEL, CLUSTER, TRAINING, COST)
 PLANS = {
     "disaggregated enc dp8 | llm tp4 pp2 dp3, m=8": Plan(
         encoder=ModulePlan(dp=8), llm=ModulePlan(tp=4, pp=2, dp=3), microbatches=8),
@@ -36,8 +35,9 @@ PLANS = {
 STEPS = 6
 
 
-def simulated(builder: StepBuilder, batch, assignment) -> float:
-    return execute(expand(builder.timing(batch, assignment)), track_memory=False).makespan / 1e9
+def simulated(runner: StepRunner, batch, assignment) -> float:
+    step = runner.step(0, batch, assignment)
+    return execute(step.graph, step.costs, track_memory=False).makespan / 1e9
 
 
 def mixes() -> None:
@@ -45,7 +45,7 @@ def mixes() -> None:
     for mix in ("llava-ov", "image-heavy", "video-heavy"):
         data = profile_mix(mix, 20000, MODEL.encoder, seed=1).samples
         for name, plan in PLANS.items():
-            builder = StepBuilder(build_template(plan), model=MODEL, cluster=CLUSTER, training=TRAINING, cost=COST)
+            runner = StepRunner(plan, SYSTEM)
             stream = batches(data, TRAINING.global_batch, seed=2)
             blind, aware = [], []
             for _ in range(STEPS):
@@ -53,7 +53,7 @@ def mixes() -> None:
                 costs = plan_costs(batch, plan, MODEL, COST)
                 for solver, out in (("sequential", blind), ("auto", aware)):
                     schedule = schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=0.3)
-                    out.append(simulated(builder, batch, schedule.assignment))
+                    out.append(simulated(runner, batch, schedule.assignment))
             print(f"  {mix:<12} {name:<46} sequential {np.mean(blind):7.3f}  dflop {np.mean(aware):7.3f}  "
                   f"speedup {np.mean(blind) / np.mean(aware):5.3f}")
 
@@ -63,7 +63,7 @@ def orders() -> None:
           "fast evaluator")
     data = profile_mix("llava-ov", 20000, MODEL.encoder, seed=1).samples
     for name, plan in list(PLANS.items())[:2]:
-        builder = StepBuilder(build_template(plan), model=MODEL, cluster=CLUSTER, training=TRAINING, cost=COST)
+        runner = StepRunner(plan, SYSTEM)
         stream = batches(data, TRAINING.global_batch, seed=3)
         times: dict[str, list[float]] = {how: [] for how in (*ORDERS, "evaluated")}
         chosen = []
@@ -72,11 +72,11 @@ def orders() -> None:
             costs = plan_costs(batch, plan, MODEL, COST)
             for how in ORDERS:
                 schedule = schedule_batch(batch, plan, costs=costs, solver="greedy", order=how)
-                times[how].append(simulated(builder, batch, schedule.assignment))
+                times[how].append(simulated(runner, batch, schedule.assignment))
             schedule = schedule_batch(batch, plan, costs=costs, solver="greedy",
-                                      evaluate=lambda a: evaluate(builder.timing(batch, a)).step_ns)
+                                      evaluate=lambda a: evaluate(runner.step(0, batch, a).timing).step_ns)
             chosen.append(schedule.order)
-            times["evaluated"].append(simulated(builder, batch, schedule.assignment))
+            times["evaluated"].append(simulated(runner, batch, schedule.assignment))
         cells = "  ".join(f"{how} {np.mean(t):.3f}" for how, t in times.items())
         worst = max(np.mean(t) for how, t in times.items() if how != "evaluated")
         print(f"  {name}: {cells}; evaluated vs worst fixed order {worst / np.mean(times['evaluated']):.3f}x; "
@@ -89,8 +89,8 @@ def correction() -> None:
     training = TrainingSpec(global_batch=128, recompute="full")
     plan = Plan(encoder=ModulePlan(dp=4), llm=ModulePlan(tp=4, pp=1, dp=3), microbatches=8)
     data = profile_mix("llava-ov", 20000, MODEL.encoder, seed=0).samples
-    study = correction_study(plan=plan, model=MODEL, cluster=cluster, training=training,
-                             cost=AnalyticalCostModel(MODEL, cluster.hardware, training),
+    system = System(MODEL, cluster, training, AnalyticalCostModel(MODEL, cluster.hardware, training))
+    study = correction_study(plan=plan, system=system,
                              batches=batches(data, 128, seed=3), steps=20, slowdown={"video": 1.3})
     skip = 8
     p, c, o = (study.mean(m, skip) for m in ("predicted", "corrected", "oracle"))

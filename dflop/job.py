@@ -14,27 +14,24 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dflop.backends.base import Backend, BackendResult, ScheduledBatch
+from dflop.backends.sim import SimBackend
 from dflop.config_check import check_plan, check_run_config
-from dflop.cost.protocol import CostModel
 from dflop.cost.select import select_cost_model
+from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
 from dflop.plan.evaluate import BatchPool, PlanningProblem
 from dflop.plan.search import OptimizeResult, Optimizer, Progress
 from dflop.plan.space import BASELINES, DFLOP
-from dflop.program.costing import StepBuilder
 from dflop.program.evaluate import evaluate
-from dflop.program.graph import expand
 from dflop.program.schedules import canonical
-from dflop.program.template import build_template
+from dflop.program.steps import StepRunner
 from dflop.schedule.background import AsyncScheduler
 from dflop.schedule.step import StepSchedule, plan_costs, schedule_batch
-from dflop.sim.engine import execute
-from dflop.sim.simulate import Simulation, simulate_steps
-from dflop.specs.hardware import GIB, ClusterSpec, TrainingSpec
+from dflop.specs.hardware import GIB
 from dflop.specs.loading import to_mapping
-from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Plan
-from dflop.specs.run import RunConfig, load_run_config
+from dflop.specs.run import DEFAULTS, RunConfig, load_run_config
 from dflop.trace.chrome import save_trace
 from dflop.workload.data_profile import DataProfile, batches
 from dflop.workload.manifest import read_manifest
@@ -51,15 +48,12 @@ def _stderr(message: str) -> None:
 @dataclass
 class Setup:
     config: RunConfig
-    model: MLLMSpec
-    cluster: ClusterSpec
-    training: TrainingSpec
-    cost: CostModel
+    system: System
     data: SampleTable
     data_source: str
 
     def problem(self) -> PlanningProblem:
-        return PlanningProblem(self.model, self.cluster, self.training, self.cost, self.data, self.config.seed)
+        return PlanningProblem(self.system, self.data, self.config.seed)
 
 
 def load_data(config: RunConfig) -> tuple[SampleTable, str]:
@@ -71,38 +65,44 @@ def load_data(config: RunConfig) -> tuple[SampleTable, str]:
     return synthesize(mix(d.preset), d.samples, config.encoder, d.seed), f"preset {d.preset}"
 
 
-def setup(config_path: str | Path | None = None, *, gpus: int | None = None, log: Log = _stderr) -> Setup:
-    config = load_run_config(config_path)
-    check_run_config(config, str(config_path or "default_run.yaml"))
+def load_config(config_path: str | Path | None = None, backend: str = "sim") -> RunConfig:
+    """The run config (or the backend's embedded one), with every name, plan and folder it gives
+    checked against what dflop knows, before any work."""
+    config = load_run_config(config_path, backend)
+    check_run_config(config, str(config_path or DEFAULTS[backend]))
+    return config
+
+
+def setup(config_path: str | Path | None = None, *, gpus: int | None = None, backend: str = "sim",
+          log: Log = _stderr) -> Setup:
+    config = load_config(config_path, backend)
     cluster = config.cluster.with_gpus(gpus) if gpus else config.cluster
     data, source = load_data(config)
     cost, note = select_cost_model(config.model, cluster.hardware, config.training, config.profiles, log)
     log(f"dflop: {config.model.name} on {cluster.gpus} x {cluster.hardware.name}, {source}; {note}")
-    return Setup(config, config.model, cluster, config.training, cost, data, source)
+    return Setup(config, System(config.model, cluster, config.training, cost), data, source)
 
 
 def confirm_with_simpy(s: Setup, batches_: int = 2) -> Callable[[Plan, bool], float]:
     """Step time of a plan in SimPy (link contention on), on the optimizer's first batches."""
-    pool = BatchPool(s.data, s.training.global_batch, s.config.seed)
+    pool = BatchPool(s.data, s.system.training.global_batch, s.config.seed)
+    backend = SimBackend(memory=False)
 
     def confirm(plan: Plan, data_aware: bool) -> float:
-        builder = StepBuilder(build_template(plan), model=s.model, cluster=s.cluster, training=s.training,
-                              cost=s.cost)
-        times = []
+        solver = "greedy" if data_aware else "sequential"
+        steps = []
         for i in range(batches_):
             batch = pool[i]
-            costs = plan_costs(batch, plan, s.model, s.cost)
-            solver = "greedy" if data_aware else "sequential"
-            schedule = schedule_batch(batch, plan, costs=costs, solver=solver)
-            times.append(execute(expand(builder.timing(batch, schedule.assignment)),
-                                 track_memory=False).makespan / 1e9)
-        return float(np.mean(times))
+            costs = plan_costs(batch, plan, s.system.model, s.system.cost)
+            steps.append(ScheduledBatch(batch, schedule_batch(batch, plan, costs=costs, solver=solver).assignment))
+        return backend.run(StepRunner(plan, s.system), steps).metrics.step_time_mean
 
     return confirm
 
 
 def optimize(s: Setup, *, progress: Progress | None = None, baselines: bool = True) -> OptimizeResult:
-    optimizer = Optimizer(s.problem(), s.training.global_batch, confirm=confirm_with_simpy(s), progress=progress)
+    optimizer = Optimizer(s.problem(), s.system.training.global_batch, confirm=confirm_with_simpy(s),
+                          progress=progress)
     return optimizer.run((DFLOP,), BASELINES if baselines else ())
 
 
@@ -120,51 +120,59 @@ def optimize_json(result: OptimizeResult, usable: float) -> dict[str, Any]:
     return out
 
 
-def assigner(s: Setup, plan: Plan, solver: str, builder: StepBuilder) -> Callable[[SampleTable], StepSchedule]:
+def assigner(s: Setup, runner: StepRunner, solver: str) -> Callable[[SampleTable], StepSchedule]:
     """The scheduler of a step: the configured solver, with candidate microbatch orders timed by
     the fast evaluator."""
     time_limit = s.config.scheduler.time_limit
-    backend = s.config.scheduler.ilp_backend
+    ilp_backend = s.config.scheduler.ilp_backend
+    plan = runner.plan
 
     def assign(batch: SampleTable) -> StepSchedule:
-        costs = plan_costs(batch, plan, s.model, s.cost)
+        costs = plan_costs(batch, plan, s.system.model, s.system.cost)
 
         def timed(assignment: np.ndarray) -> float:
-            return evaluate(builder.timing(batch, assignment)).step_ns
+            return evaluate(runner.step(0, batch, assignment).timing).step_ns
 
-        return schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=time_limit, backend=backend,
+        return schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=time_limit, backend=ilp_backend,
                               evaluate=None if solver in ("sequential", "random") else timed)
 
     return assign
 
 
-def simulate(s: Setup, plan: Plan, *, steps: int, solver: str, out: Path, name: str,
-             deadline: float | None = None) -> tuple[Simulation, dict[str, Any]]:
-    """Simulate ``steps`` steps of ``plan``, scheduling ahead in the background for data-aware
-    solvers; writes ``<name>.trace.json``."""
-    plan.validate(s.cluster, s.model, s.training.global_batch)
-    builder = StepBuilder(build_template(plan), model=s.model, cluster=s.cluster, training=s.training, cost=s.cost)
-    assign = assigner(s, plan, solver, builder)
-    stream = batches(s.data, s.training.global_batch, seed=s.config.seed)
-    fallback = assigner(s, plan, "lpt", builder)
+def schedule_steps(s: Setup, runner: StepRunner, *, steps: int, solver: str,
+                   deadline: float | None = None) -> tuple[list[ScheduledBatch], dict[str, Any]]:
+    """The first ``steps`` global batches, each partitioned ahead in the background (the solver under
+    a deadline, the LPT heuristic when it is late)."""
+    assign = assigner(s, runner, solver)
+    stream = batches(s.data, s.system.training.global_batch, seed=s.config.seed)
+    fallback = assigner(s, runner, "lpt")
     limit = deadline or max(s.config.scheduler.time_limit * 2, 0.5)
     with AsyncScheduler(stream, lambda batch, _: assign(batch), fallback, deadline=limit) as scheduler:
         pairs = [scheduler.get(step) for step in range(steps)]
         late = scheduler.late
     scheduled = [sch for _, sch in pairs]
-    sim = simulate_steps(builder, [b for b, _ in pairs], lambda i, b: scheduled[i].aligned(b),
-                         meta={"name": name, "solver": solver})
-    trace = save_trace(sim.trace, out / f"{name}.trace.json")
     partitions = [sch.partition for sch in scheduled if sch.partition is not None]
-    info = {"scheduler": {"solver": solver, "late_steps": late,
-                          "gap_mean": float(np.mean([p.gap for p in partitions])) if partitions else None,
-                          "statuses": sorted({p.status for p in partitions}),
-                          "orders": sorted({sch.order for sch in scheduled})},
-            "trace": str(trace)}
-    return sim, info
+    info = {"solver": solver, "late_steps": late,
+            "gap_mean": float(np.mean([p.gap for p in partitions])) if partitions else None,
+            "statuses": sorted({p.status for p in partitions}),
+            "orders": sorted({sch.order for sch in scheduled})}
+    return [ScheduledBatch(b, sch.aligned(b)) for b, sch in pairs], info
 
 
-def step_fields(sim: Simulation, global_batch: int) -> dict[str, Any]:
+def simulate(s: Setup, plan: Plan, *, steps: int, solver: str, out: Path, name: str,
+             deadline: float | None = None, backend: Backend | None = None) -> tuple[BackendResult, dict[str, Any]]:
+    """Run ``steps`` steps of ``plan`` on ``backend`` (the simulator by default), scheduling ahead in
+    the background for data-aware solvers; writes ``<name>.trace.json``."""
+    system = s.system
+    plan.validate(system.cluster, system.model, system.training.global_batch)
+    runner = StepRunner(plan, system)
+    scheduled, scheduler = schedule_steps(s, runner, steps=steps, solver=solver, deadline=deadline)
+    result = (backend or SimBackend()).run(runner, scheduled, meta={"name": name, "solver": solver})
+    trace = save_trace(result.trace, out / f"{name}.trace.json")
+    return result, {"scheduler": scheduler, "trace": str(trace)}
+
+
+def step_fields(sim: BackendResult, global_batch: int) -> dict[str, Any]:
     m = sim.metrics
     return {"step_time_s": {"mean": m.step_time_mean, "p50": m.step_time_p50},
             "throughput_samples_per_s": global_batch / m.step_time_mean,
@@ -194,7 +202,7 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
     from dflop.specs.loading import save_spec
 
     plan_file = save_spec(plan, out / "plan.yaml")
-    batch = s.training.global_batch
+    batch = s.system.training.global_batch
     ours, baseline = step_fields(mine, batch), step_fields(theirs, batch)
     return {
         "plan": plan_summary(plan), **ours,
@@ -202,8 +210,8 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
         "speedup": baseline["step_time_s"]["mean"] / ours["step_time_s"]["mean"],
         "expected": {"step_time_s": result.best.mean, "baseline_step_time_s": base.mean,
                      "speedup": result.speedup, "ideal_step_time_s": result.ideal_s},
-        "steps": steps, "global_batch": batch, "gpus": s.cluster.gpus, "model": s.model.name,
-        "data": s.data_source, "cost_model": s.cost.name, "scheduler": mine_info["scheduler"],
+        "steps": steps, "global_batch": batch, "gpus": s.system.cluster.gpus, "model": s.system.model.name,
+        "data": s.data_source, "cost_model": s.system.cost.name, "scheduler": mine_info["scheduler"],
         "search": {"seconds": result.seconds, "pruning": {k: v.as_dict() for k, v in result.stats.items()},
                    "why": result.why},
         "artifacts": {"trace": mine_info["trace"], "baseline_trace": theirs_info["trace"],
@@ -219,7 +227,7 @@ def pick_plan(s: Setup, plan_path: Path | None, schedule: str | None, log: Log =
 
     if plan_path is not None:
         plan = load_spec(Plan, plan_path)
-        check_plan(plan, f"{plan_path}:", s.config, s.cluster)
+        check_plan(plan, f"{plan_path}:", s.config, s.system.cluster)
     elif s.config.plan is not None:
         plan = s.config.plan
     else:

@@ -1,20 +1,18 @@
-"""The SimPy executor of task graphs.
+"""The SimPy executor of step graphs.
 
-Each worker (a tensor-parallel GPU group) runs its ops in program order on its
-compute stream; a finished op hands its outputs to the links, which carry
-them while compute goes on (sends never block compute, as with NCCL's
-asynchronous point-to-point), one transfer at a time per link when
-``contention`` is on; gradient all-reduces are collectives that start once
-every participant has finished its last op. All state lives in one
-``simpy.Environment``; times are integer nanoseconds, so runs are exactly
+Each worker (a tensor-parallel GPU group) runs its compute nodes in order on
+its compute stream; a send occupies its link for its transfer (one transfer at
+a time per link when ``contention`` is on) while compute goes on, as NCCL's
+asynchronous point-to-point does; a receive completes when its data has
+arrived; a collective starts once every member could start it. All state lives
+in one ``simpy.Environment``; times are integer nanoseconds, so runs are exactly
 reproducible and equal the reference longest path when nothing contends.
 
-The simulation is event-driven without processes: every op is one SimPy event,
-scheduled when the op can start (worker free, all inputs sent) to fire when it
-ends, whose callback books the op's outgoing transfers on their links (in a
-fixed order), counts down its consumers' missing inputs and starts whatever
-became ready. No generator is resumed per op, which keeps the executor close
-to SimPy's own event rate.
+The simulation is event-driven without processes: a compute node or a
+collective is one SimPy event, scheduled when it can start and firing when it
+ends; its callback hands the end time to the nodes that wait for it. Sends and
+receives need no events of their own: when a send's producer finishes, the
+transfer is booked on its link and the arrival time passed on at once.
 """
 
 from __future__ import annotations
@@ -24,15 +22,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from dflop.program.graph import TaskGraph
+from dflop.program.costs import StepCosts
+from dflop.program.stepgraph import StepGraph
 
 
 @dataclass
 class Execution:
     start: np.ndarray
     end: np.ndarray
-    transfers: list[tuple[int, int, int, int, int]]
-    """(source op, destination op, link, start ns, end ns) of every transfer."""
     memory: list[list[tuple[int, float]]]
     """Per worker: (ns, bytes held) after every change."""
     peak: np.ndarray
@@ -47,22 +44,30 @@ class Execution:
         return int(self.end.max()) if len(self.end) else 0
 
 
-def execute(graph: TaskGraph, *, contention: bool = True, track_memory: bool = True) -> Execution:
+_COMPUTE, _SEND, _RECV, _COLLECTIVE = range(4)
+
+
+def _classes(graph: StepGraph) -> list[int]:
+    return [_COMPUTE if n.kind.is_compute else _SEND if n.kind.is_send else _RECV if n.kind.is_recv
+            else _COLLECTIVE for n in graph.nodes]
+
+
+def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, track_memory: bool = True) -> Execution:
     env = simpy.Environment()
     n = len(graph)
-    start = [0] * n
-    end = [-1] * n  # -1 until the op has finished
-    out, successor = graph.consumers, graph.successor
-    missing = list(graph.input_counts)
+    start, end = [0] * n, [-1] * n  # end -1 until the node has finished
+    consumers, cls, link = graph.consumers, _classes(graph), graph.link
+    duration = costs.duration.tolist()
+    alloc, free = costs.alloc.tolist(), costs.free.tolist()
+    missing = [len(d) for d in graph.deps]
     ready_at = [0] * n
-    idle = list(graph.first_ops)  # per op: its worker is free for it
+    collective_missing = [len(c) for c in graph.collectives]
     link_free = [0] * graph.links
-    transfers: list[tuple[int, int, int, int, int]] = []
-    held = [w.static_bytes for w in graph.workers]
+    held = costs.static_bytes.tolist()
     peak = np.array(held, dtype=float)
     memory: list[list[tuple[int, float]]] = [[(0, h)] for h in held]
     oom: list[dict] = []
-    worker_of, free, alloc, duration = graph.worker, graph.free, graph.alloc, graph.duration
+    worker_of = [node.worker for node in graph.nodes]
     timeout = env.timeout
 
     def change(w: int, delta: float, at: int) -> None:
@@ -71,53 +76,66 @@ def execute(graph: TaskGraph, *, contention: bool = True, track_memory: bool = T
             memory[w].append((at, held[w]))
         if held[w] > peak[w]:
             peak[w] = held[w]
-            if held[w] > graph.workers[w].capacity and not any(e["worker"] == w for e in oom):
-                oom.append({"worker": w, "ns": at, "bytes": held[w], "capacity": graph.workers[w].capacity})
+            if held[w] > costs.capacity and not any(e["worker"] == w for e in oom):
+                oom.append({"worker": w, "ns": at, "bytes": held[w], "capacity": costs.capacity})
 
-    def try_start(o: int, now: int) -> None:
-        """Start ``o``: its worker is free and every input has been sent, so it starts when the last
-        one arrives and ends ``duration`` later; one event, at its end. (Its worker is idle until
-        then, so recording the allocation ahead of time changes no peak.)"""
-        idle[o] = False
-        begins = ready_at[o] if ready_at[o] > now else now
-        start[o] = begins
-        if alloc[o]:
-            change(worker_of[o], alloc[o], begins)
-        timeout(begins - now + duration[o], o).callbacks.append(finish)
-
-    def finish(event: simpy.Event) -> None:
-        o, now = event._value, env._now  # SimPy's fields: its properties cost a call per op
-        end[o] = now
-        if free[o]:
-            change(worker_of[o], -free[o], now)
-        for c, ns, link in out[o]:
-            arrive = now
-            if ns:
-                sent = now
-                if contention and link >= 0:
-                    if link_free[link] > now:
-                        sent = link_free[link]
-                    link_free[link] = sent + ns
-                arrive = sent + ns
-                transfers.append((o, c, link, sent, arrive))
-            if arrive > ready_at[c]:
-                ready_at[c] = arrive
+    def finished(k: int, at: int, now: int) -> None:
+        """Node k ends at ``at`` (>= now): pass it on to whatever waits for it."""
+        end[k] = at
+        for c in consumers[k]:
+            if at > ready_at[c]:
+                ready_at[c] = at
             missing[c] -= 1
-            if not missing[c] and idle[c]:
-                try_start(c, now)
-        nxt = successor[o]
-        if nxt >= 0:
-            idle[nxt] = True
-            if not missing[nxt]:
-                try_start(nxt, now)
+            if not missing[c]:
+                begin(c, now)
 
-    for o in range(n):
-        if not missing[o] and idle[o]:
-            try_start(o, 0)
+    def begin(k: int, now: int) -> None:
+        """Everything k waits for is known to end by ``ready_at[k]``."""
+        kind = cls[k]
+        if kind == _SEND:
+            sent = ready_at[k]
+            if contention:
+                sent = max(sent, link_free[link[k]])
+                link_free[link[k]] = sent + duration[k]
+            start[k] = sent
+            finished(k, sent + duration[k], now)
+        elif kind == _RECV:
+            start[k] = ready_at[k]
+            finished(k, ready_at[k], now)
+        elif kind == _COMPUTE:
+            at = ready_at[k] if ready_at[k] > now else now
+            start[k] = at
+            if alloc[k]:  # the worker is idle until then, so booking early changes no peak
+                change(worker_of[k], alloc[k], at)
+            timeout(at - now + duration[k], k).callbacks.append(compute_done)
+        else:
+            c = graph.nodes[k].collective
+            collective_missing[c] -= 1
+            if not collective_missing[c]:
+                members = graph.collectives[c]
+                at = max(now, max(ready_at[m] for m in members))
+                for m in members:
+                    start[m] = at
+                timeout(at - now + duration[k], c).callbacks.append(collective_done)
+
+    def compute_done(event: simpy.Event) -> None:
+        k, now = event._value, env._now  # SimPy's fields: its properties cost a call per node
+        if free[k]:
+            change(worker_of[k], -free[k], now)
+        finished(k, now, now)
+
+    def collective_done(event: simpy.Event) -> None:
+        now = env._now
+        for m in graph.collectives[event._value]:
+            finished(m, now, now)
+
+    for k in range(n):
+        if not missing[k]:
+            begin(k, 0)
     env.run()
-    unfinished = [o for o in range(n) if end[o] < 0]
+    unfinished = [k for k in range(n) if end[k] < 0]
     if unfinished:
-        raise RuntimeError(f"simulation stalled with {len(unfinished)} ops unfinished, first "
-                           f"{graph.label[unfinished[0]]} on worker {graph.worker[unfinished[0]]}")
-    return Execution(np.array(start, dtype=np.int64), np.array(end, dtype=np.int64), transfers, memory, peak,
-                     oom, next(env._eid))
+        raise RuntimeError(f"simulation stalled with {len(unfinished)} nodes unfinished, first "
+                           f"{graph.labels[unfinished[0]]} on worker {worker_of[unfinished[0]]}")
+    return Execution(np.array(start, dtype=np.int64), np.array(end, dtype=np.int64), memory, peak, oom,
+                     next(env._eid))

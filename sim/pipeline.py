@@ -7,15 +7,18 @@ from typing import Any
 
 import numpy as np
 
+from dflop.errors import DflopError
 from dflop.program.costing import stage_times_timing
-from dflop.program.graph import expand
-from dflop.program.schedules import build, splits_backward
+from dflop.program.costs import graph_costs
+from dflop.program.overlap import Overlap, with_overlap
+from dflop.program.schedules import build, splits_backward, stages_per_rank
+from dflop.program.stepgraph import lower
 from dflop.program.template import build_template
 from dflop.sim.engine import execute
-from dflop.sim.record import record, worker_records
-from dflop.specs.plan import ModulePlan, Plan
+from dflop.specs.plan import ModulePlan, Placement, Plan
 from dflop.trace.chrome import TraceBuilder
 from dflop.trace.metrics import metrics
+from dflop.trace.record import record_step, worker_records
 
 
 @dataclass(frozen=True)
@@ -40,22 +43,31 @@ def _grid(values: Any, stages: int, m: int, name: str) -> np.ndarray:
 
 
 def simulate_pipeline(fwd: Any, bwd: Any, *, schedule: str = "1F1B", microbatches: int | None = None,
-                      p2p: float = 0.0, bwd_weight: Any = None, virtual_stages: int = 1,
-                      contention: bool = False) -> PipelineResult:
+                      p2p: float = 0.0, bwd_weight: Any = None, virtual_stages: int | None = None,
+                      contention: bool = False, overlap: Overlap | str = Overlap.SEQUENTIAL) -> PipelineResult:
     """Simulate one pipeline.
 
     ``fwd`` and ``bwd`` are seconds per (stage, microbatch), as arrays of shape
     (stages, microbatches), or per stage, or one number (then ``microbatches``
-    says how many); stages count virtual stages. For schedules that split the
-    backward (ZBH1, InterleavedZeroBubble) ``bwd`` is the input-gradient part and
-    ``bwd_weight`` the weight-gradient part (default: ``bwd`` split in half).
-    ``p2p`` is the seconds of one transfer between adjacent stages.
+    says how many); stages count virtual stages (``virtual_stages`` per rank;
+    ZBVZeroBubble and DualPipeV always have 2, placed in a V). For schedules that
+    split the backward (ZBH1, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)
+    ``bwd`` is the input-gradient part and ``bwd_weight`` the weight-gradient part
+    (default: ``bwd`` split in half); a full backward costs both.
+    ``p2p`` is the seconds of one transfer between adjacent stages on different
+    ranks. ``overlap`` costs DualPipeV's overlapped forward-and-backward steps:
+    ``"sequential"`` (F + B) or ``"overlapped"`` (max(F, B)); see
+    :mod:`dflop.program.overlap`.
     """
     fwd_a = np.asarray(fwd, dtype=float)
     m = microbatches or (fwd_a.shape[1] if fwd_a.ndim == 2 else None)
     if m is None:
         raise ValueError("give microbatches, or fwd as a (stages, microbatches) array")
+    if virtual_stages is None:
+        virtual_stages = stages_per_rank(schedule)
     stages = fwd_a.shape[0] if fwd_a.ndim >= 1 else virtual_stages
+    if stages % virtual_stages:
+        raise DflopError(f"fwd: {stages} stages do not make whole ranks of {virtual_stages} stages")
     pp = stages // virtual_stages
     f = _grid(fwd, stages, m, "fwd")
     b = _grid(bwd, stages, m, "bwd")
@@ -66,15 +78,16 @@ def simulate_pipeline(fwd: Any, bwd: Any, *, schedule: str = "1F1B", microbatche
         w = _grid(bwd_weight, stages, m, "bwd_weight") if bwd_weight is not None else np.zeros_like(b)
         i = b
     program = build(schedule, pp, m, virtual_stages)
-    plan = Plan(encoder=ModulePlan(tp=1, dp=1), llm=ModulePlan(tp=1, pp=pp, dp=1), placement="colocated",
+    plan = Plan(encoder=ModulePlan(tp=1, dp=1), llm=ModulePlan(tp=1, pp=pp, dp=1), placement=Placement.COLOCATED,
                 microbatches=m, schedule=program.name, virtual_stages=virtual_stages)
     template = build_template(plan, program)
-    graph = expand(stage_times_timing(template, f, i, w, p2p))
-    ex = execute(graph, contention=contention, track_memory=False)
+    graph = lower(template)
+    costs = graph_costs(graph, with_overlap(stage_times_timing(template, f, i, w, p2p), overlap))
+    ex = execute(graph, costs, contention=contention, track_memory=False)
     trace = TraceBuilder()
     trace.set_workers(worker_records(graph))
-    record(trace, graph, ex, step=0, offset_ns=0, memory=False)
-    compute_end = int(ex.end[[o for o in range(len(graph)) if graph.worker[o] >= 0]].max())
+    record_step(trace, graph, ex.start, ex.end, step=0, offset_ns=0, costs=costs)
+    compute_end = int(ex.end[graph.compute_nodes()].max())
     trace.step(0, 0, compute_end, ex.makespan)
     doc = trace.document()
     return PipelineResult(ex.makespan / 1e9, metrics(doc).bubble_fraction, doc)

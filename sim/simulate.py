@@ -7,17 +7,16 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from dflop.program.costing import StepBuilder, StepTiming
-from dflop.program.graph import expand
+from dflop.program.steps import Step, StepRunner
 from dflop.sim.engine import Execution, execute
-from dflop.sim.record import record, worker_records
 from dflop.trace.chrome import TraceBuilder
 from dflop.trace.metrics import TraceMetrics, metrics
+from dflop.trace.record import record_step, worker_records
 from dflop.workload.sample import SampleTable
 
 Assign = Callable[[int, SampleTable], np.ndarray]
 """(step, batch) -> the bin of every sample of the batch."""
-Observer = Callable[[int, SampleTable, np.ndarray, StepTiming, Execution], None]
+Observer = Callable[[Step, Execution], None]
 
 
 @dataclass
@@ -27,30 +26,37 @@ class Simulation:
     steps: list[dict[str, Any]] = field(default_factory=list)
 
 
-def simulate_steps(builder: StepBuilder, batches: Iterable[SampleTable], assign: Assign, *,
+def trace_meta(runner: StepRunner, **extra: Any) -> dict[str, Any]:
+    return {"peak_flops": runner.system.hardware.peak_flops, "plan": runner.plan.describe(),
+            "cost_model": runner.system.cost.name, **extra}
+
+
+def simulate_steps(runner: StepRunner, batches: Iterable[SampleTable], assign: Assign, *,
                    contention: bool = True, memory: bool = True, observe: Observer | None = None,
                    meta: dict[str, Any] | None = None) -> Simulation:
-    """Run every batch as one step: partition it with ``assign``, cost it with the builder's
-    cost model, execute it in SimPy; steps run back to back (the optimizer step is a barrier)."""
-    trace = TraceBuilder(meta={"peak_flops": builder.cluster.hardware.peak_flops,
-                               "plan": builder.plan.describe(), "cost_model": builder.cost.name,
-                               **(meta or {})})
+    """Run every batch as one step: partition it with ``assign``, cost it with the runner's
+    cost model, execute its step graph in SimPy; steps run back to back (the optimizer step is a
+    barrier)."""
+    trace = TraceBuilder(meta=trace_meta(runner, **(meta or {})))
     offset = 0
     steps = []
     for index, batch in enumerate(batches):
-        assignment = assign(index, batch)
-        timing = builder.timing(batch, assignment)
-        graph = expand(timing)
+        step = runner.step(index, batch, assign(index, batch))
+        graph, costs = step.graph, step.costs
         if index == 0:
-            trace.set_workers(worker_records(graph))
-        ex = execute(graph, contention=contention, track_memory=memory)
-        record(trace, graph, ex, step=index, offset_ns=offset, memory=memory)
-        compute_end = int(max(ex.end[o] for o in range(len(graph)) if graph.worker[o] >= 0))
+            trace.set_workers(worker_records(graph, costs))
+        ex = execute(graph, costs, contention=contention, track_memory=memory)
+        record_step(trace, graph, ex.start, ex.end, step=index, offset_ns=offset, costs=costs,
+                    memory=ex.memory if memory else None)
+        for event in ex.oom:
+            trace.oom.append({**event, "step": index, "ns": event["ns"] + offset,
+                              "rank": graph.workers[event["worker"]].name})
+        compute_end = int(max(ex.end[k] for k in graph.compute_nodes()))
         trace.step(index, offset, offset + compute_end, offset + ex.makespan, samples=len(batch))
         steps.append({"step": index, "step_s": ex.makespan / 1e9, "compute_s": compute_end / 1e9,
                       "oom": len(ex.oom)})
         if observe is not None:
-            observe(index, batch, assignment, timing, ex)
+            observe(step, ex)
         offset += ex.makespan
     doc = trace.document()
     return Simulation(doc, metrics(doc), steps)

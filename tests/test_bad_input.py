@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from cli_helpers import dflop_here
 from dflop.specs import ModulePlan, Plan, TrainingSpec, presets, to_mapping
+from dflop.specs.execution import ExecutionSpec
 from dflop.specs.limits import MAX_DEPTH, MAX_SAMPLES
 from dflop.trace.chrome import TraceBuilder
 
@@ -152,7 +153,8 @@ def config_tree() -> dict:
             "training": to_mapping(TrainingSpec(global_batch=16)),
             "data": {"preset": "llava-ov", "samples": 200, "seed": 0},
             "scheduler": {"solver": "lpt", "time_limit": 0.2, "ilp_backend": "cbc"},
-            "steps": 1, "seed": 0, "plan": to_mapping(plan), "profiles": []}
+            "steps": 1, "seed": 0, "plan": to_mapping(plan), "profiles": [],
+            "execution": to_mapping(ExecutionSpec())}
 
 
 CONFIG_REQUIRED = [("encoder",), ("llm",), ("cluster",), ("training",), ("cluster", "nodes"),
@@ -360,3 +362,64 @@ def test_missing_inputs_and_unwritable_outputs(tmp_path_factory, data, command):
     if "--out" not in argv:
         argv += ("--out", folder / ("p.yaml" if command == "optimize" else "out"))
     assert_refused(dflop_here(command, *argv), name)
+
+
+# ---- dflop run --backend torch: the config's execution section and --resume ------------------
+
+TINY = {"encoder": "tiny-vit", "llm": "tiny-llm", "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": 2},
+        "training": {"global_batch": 4}, "data": {"preset": "llava-ov", "samples": 300}, "steps": 2,
+        "plan": {"encoder": {"dp": 2}, "llm": {"dp": 2}, "placement": "colocated", "microbatches": 1}}
+STEP = {"solver": "lpt", "batch": {"id": ["a", "b", "c", "d"], "modality": ["text"] * 4, "tiles": [0] * 4,
+                                   "text_tokens": [9] * 4, "image_tokens": [0] * 4}, "assignment": [0, 1, 0, 1]}
+
+
+def resume_folder(folder: Path, plan=TINY["plan"], steps=(STEP,)) -> Path:
+    (folder / "dflop.plan.yaml").write_text(yaml.safe_dump(plan))
+    (folder / "schedules" / "dflop").mkdir(parents=True)
+    for i, step in enumerate(steps):
+        path = folder / "schedules" / "dflop" / f"step-{i:06d}.json"
+        path.write_bytes(step if isinstance(step, bytes) else json.dumps(step).encode())
+    return folder
+
+
+BAD_RESUMES = [
+    ({"plan": {**TINY["plan"], "llm": {"dp": 4}}}, "dflop.plan.yaml: "),
+    ({"steps": ()}, "schedules/dflop: no saved schedules"),
+    ({"steps": (b"{\"solver\": \"\xff\"}",)}, "step-000000.json:1: not UTF-8 text"),
+    ({"steps": ([STEP],)}, "step-000000.json: not a saved schedule"),
+    ({"steps": ({**STEP, "batch": [1, 2]},)}, "step-000000.json: samples: expected a mapping of columns"),
+    ({"steps": ({**STEP, "batch": {**STEP["batch"], "tiles": ["x"] * 4}},)}, "step-000000.json: samples: "),
+    ({"steps": ({**STEP, "batch": {**STEP["batch"], "tiles": [[1]] * 4}},)}, "column 'tiles' must be a flat list"),
+    ({"steps": ({**STEP, "batch": {**STEP["batch"], "tiles": [10**30] * 4}},)}, "step-000000.json: samples: "),
+    ({"steps": ({**STEP, "assignment": [0, 1, 0, 2]},)}, "'assignment': expected a bin from 0 to 1 for each of"),
+    ({"steps": ({**STEP, "assignment": [0, 1]},)}, "'assignment': expected a bin"),
+]
+
+
+def test_bad_resume_folders_are_refused_before_any_process_starts(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    for i, (how, message) in enumerate(BAD_RESUMES):
+        folder = tmp_path / f"r{i}"
+        folder.mkdir()
+        resume_folder(folder, **how)
+        ran = dflop_here("run", "--backend", "torch", "--config", config, "--resume", folder)
+        assert_refused(ran, str(folder))
+        assert message in ran.stderr, (message, ran.stderr)
+        assert not (folder / "checkpoints").exists()
+    assert_refused(dflop_here("run", "--backend", "torch", "--resume", tmp_path / "none"), "'--resume'")
+    assert_refused(dflop_here("run", "--resume", tmp_path / "r0", "--out", tmp_path / "o"), "--resume")
+
+
+def test_a_saved_arm_reads_back_as_it_was_written(tmp_path):
+    from dflop import job
+    from dflop.torch_run import _load_arm, plan_arms
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    s = job.setup(config, backend="torch", log=lambda _: None)
+    saved = plan_arms(s, 2, tmp_path, None, lambda _: None)[0]
+    loaded = _load_arm("dflop", tmp_path, s)
+    assert loaded.plan == saved.plan and loaded.solver == saved.solver and len(loaded.steps) == 2
+    for a, b in zip(saved.steps, loaded.steps):
+        assert a.batch.columns() == b.batch.columns() and a.assignment.tolist() == b.assignment.tolist()

@@ -140,11 +140,15 @@ def test_the_path_reported_is_the_path_written(tmp_path):
     ("data: {samples: 100000000000}\n", "run.yaml: data.samples: must be at most 10000000"),
     ("steps: 1000000000\n", "run.yaml: steps: must be at most 100000"),
     ("encoder: internvit-6b\n", "run.yaml:5: not valid YAML (duplicate key 'encoder' (first given on line 1))"),
+    ("execution: {timeout_s: .inf}\n", "run.yaml: execution.timeout_s: must be a finite number, got inf"),
+    ("execution: {checkpoint_every: -1}\n", "run.yaml: execution.checkpoint_every: must be at least 0, got -1"),
+    ("execution: {lr: 0}\n", "run.yaml: execution: lr: must be positive, got 0.0"),
+    ("execution: {device: tpu}\n", "run.yaml: execution.device: 'tpu' is not one of 'cpu', 'cuda'"),
 ])
 def test_config_errors_name_file_and_key_before_any_work(tmp_path, monkeypatch, extra, message):
     monkeypatch.chdir(tmp_path)
     path = config(tmp_path, extra)
-    for command in (("optimize", "--out", "plan.yaml"), ("simulate",), ("run",)):
+    for command in (("optimize", "--out", "plan.yaml"), ("simulate",), ("run",), ("run", "--backend", "torch")):
         assert_only_error(dflop_here(*command, "--config", path), f"{path}", message)
 
 

@@ -78,9 +78,9 @@ def test_simulate_rejects_a_plan_that_does_not_fit(tmp_path):
     assert_one_line_error(proc, "does not fit", "the plan needs 24 GPUs but the cluster has 8")
 
 
-def test_unwritable_output_and_torch_backend(tmp_path):
+def test_unwritable_output_and_unknown_backend(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert_one_line_error(dflop("optimize", "--config", small_config(tmp_path), "--out", blocker / "plan.yaml"),
                           "plan.yaml: cannot be written", "file is not a folder")
-    assert_one_line_error(dflop("run", "--backend", "torch"), "--backend torch is not available yet")
+    assert_one_line_error(dflop("run", "--backend", "nope"), "'--backend'", "'nope' is not one of 'sim', 'torch'")

@@ -3,14 +3,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflop.cost import AnalyticalCostModel
+from dflop.cost import AnalyticalCostModel, System
 from dflop.errors import InfeasibleError
 from dflop.plan.evaluate import Estimate, PlanningProblem
 from dflop.plan.search import Optimizer, optimize
 from dflop.plan.space import DFLOP, MEGATRON, PYTORCH, SpaceBuilder
 from dflop.plan.split import balanced_split
-from dflop.program.costing import StepBuilder
-from dflop.program.template import build_template
+from dflop.program.steps import StepRunner
 from dflop.sim.simulate import simulate_steps
 from dflop.specs import ClusterSpec, TrainingSpec, presets
 from dflop.workload import profile_mix
@@ -21,7 +20,8 @@ def problem_for(encoder, llm, gpus, batch, mix="llava-ov"):
     cluster = ClusterSpec(hardware=presets.hardware("h100"), nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus))
     training = TrainingSpec(global_batch=batch, recompute="full")
     data = profile_mix(mix, 5000, model.encoder, seed=1).samples
-    return PlanningProblem(model, cluster, training, AnalyticalCostModel(model, cluster.hardware, training), data)
+    return PlanningProblem(System(model, cluster, training, AnalyticalCostModel(model, cluster.hardware, training)),
+                           data)
 
 
 @pytest.mark.parametrize("encoder,llm", [("siglip-so400m", "qwen2.5-7b"), ("siglip-so400m", "llama-3-8b"),
@@ -57,10 +57,8 @@ def test_chosen_plan_does_not_run_out_of_memory_in_the_simulator():
     opt = Optimizer(problem, 128, first=2, most=2, budget=16)
     result = opt.search(DFLOP)
     plan = result.best.plan
-    builder = StepBuilder(build_template(plan), model=problem.model, cluster=problem.cluster,
-                          training=problem.training, cost=problem.cost)
     batches = [opt.pool[i] for i in range(2)]
-    sim = simulate_steps(builder, batches, lambda i, b: opt.ev.assignment(plan, b, True)[0])
+    sim = simulate_steps(StepRunner(plan, problem.system), batches, lambda i, b: opt.ev.assignment(plan, b, True)[0])
     assert sim.metrics.oom == []
     assert max(sim.metrics.peak_memory_gib) * 2**30 <= problem.cluster.hardware.usable_memory_bytes
 

@@ -17,7 +17,11 @@ def schedules():
     interleaved = st.tuples(st.sampled_from(["Interleaved1F1B", "InterleavedZeroBubble"]),
                             st.integers(1, 6), rounds, st.integers(1, 4)).map(
         lambda t: (t[0], t[1], t[1] * t[2], t[3]))
-    return st.one_of(plain, interleaved)
+    looped = st.tuples(st.just("LoopedBFS"), st.integers(1, 6), st.integers(1, 12), st.integers(1, 4))
+    zbv = st.tuples(st.just("ZBVZeroBubble"), st.integers(1, 6), st.integers(1, 16), st.just(2))
+    dual = st.tuples(st.just("DualPipeV"), st.integers(1, 5), st.integers(0, 12), st.just(2)).map(
+        lambda t: (t[0], t[1], 2 * t[1] + t[2], 2))
+    return st.one_of(plain, interleaved, looped, zbv, dual)
 
 
 @given(schedules())

@@ -3,13 +3,12 @@
 import numpy as np
 import pytest
 
-from dflop.cost import AnalyticalCostModel
-from dflop.program.costing import StepBuilder
+from dflop.cost import AnalyticalCostModel, System
+from dflop.experiments import correction_study, inflate
 from dflop.program.evaluate import evaluate
-from dflop.program.template import build_template
+from dflop.program.steps import StepRunner
 from dflop.schedule.slots import ORDERS, slot_bins
 from dflop.schedule.step import StepSchedule, plan_costs, schedule_batch
-from dflop.sim.experiments import correction_study, inflate
 from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, presets
 from dflop.workload import batches, profile_mix
 
@@ -17,6 +16,7 @@ MODEL = presets.model("siglip-so400m", "qwen2.5-7b")
 CLUSTER = ClusterSpec(hardware=presets.hardware("h100"), nodes=2, gpus_per_node=8)
 TRAINING = TrainingSpec(global_batch=128, recompute="full")
 COST = AnalyticalCostModel(MODEL, CLUSTER.hardware, TRAINING)
+SYSTEM = System(MODEL, CLUSTER, TRAINING, COST)
 PLANS = [
     Plan(encoder=ModulePlan(tp=1, pp=1, dp=4), llm=ModulePlan(tp=4, pp=1, dp=3), microbatches=8),
     Plan(encoder=ModulePlan(tp=2, dp=4), llm=ModulePlan(tp=2, pp=2, dp=4), microbatches=8, placement="colocated"),
@@ -27,7 +27,7 @@ PLANS = [
 @pytest.mark.parametrize("plan", PLANS, ids=["disaggregated", "colocated"])
 def test_data_aware_bins_cut_the_step_time(mix, plan):
     data = profile_mix(mix, 4000, MODEL.encoder, seed=2).samples
-    builder = StepBuilder(build_template(plan), model=MODEL, cluster=CLUSTER, training=TRAINING, cost=COST)
+    runner = StepRunner(plan, SYSTEM)
     stream = batches(data, 128, seed=5)
     blind, aware = [], []
     for _ in range(3):
@@ -35,7 +35,7 @@ def test_data_aware_bins_cut_the_step_time(mix, plan):
         costs = plan_costs(batch, plan, MODEL, COST)
         for solver, out in (("sequential", blind), ("auto", aware)):
             schedule = schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=0.2)
-            out.append(evaluate(builder.timing(batch, schedule.assignment)).step_ns)
+            out.append(evaluate(runner.step(0, batch, schedule.assignment).timing).step_ns)
     assert np.mean(aware) < 0.97 * np.mean(blind)
 
 
@@ -74,7 +74,7 @@ def test_inflating_a_modality_slows_only_those_samples():
 def test_correction_approaches_the_oracle():
     data = profile_mix("llava-ov", 6000, MODEL.encoder, seed=0).samples
     plan = PLANS[0]
-    study = correction_study(plan=plan, model=MODEL, cluster=CLUSTER, training=TRAINING, cost=COST,
+    study = correction_study(plan=plan, system=SYSTEM,
                              batches=batches(data, 128, seed=3), steps=12, slowdown={"video": 1.3})
     skip = 6  # after the warm-up and the first decision
     predicted, corrected, oracle = (study.mean(m, skip) for m in ("predicted", "corrected", "oracle"))

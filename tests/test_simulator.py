@@ -7,13 +7,17 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from dflop.cost import AnalyticalCostModel
-from dflop.program.costing import StepBuilder, stage_times_timing
+from dflop.cost import AnalyticalCostModel, System
+from dflop.program.costing import stage_times_timing
+from dflop.program.costs import graph_costs, longest_path
 from dflop.program.evaluate import evaluate, summarize
-from dflop.program.graph import expand, longest_path
+from dflop.program.overlap import Overlap, with_overlap
 from dflop.program.schedules import build
+from dflop.program.stepgraph import Stream, lower
+from dflop.program.steps import StepRunner
 from dflop.program.template import build_template
 from dflop.sim import execute, simulate_pipeline
+from dflop.sim.simulate import simulate_steps
 from dflop.specs import ModulePlan, Plan, TrainingSpec
 from dflop.workload import profile_mix
 
@@ -52,10 +56,13 @@ def test_zero_bubble_h1_beats_1f1b_as_published(p, extra, unit):
 
 
 def random_pipeline(draw):
-    name = draw(st.sampled_from(["GPipe", "1F1B", "ZBH1", "Interleaved1F1B"]))
+    name = draw(st.sampled_from(["GPipe", "1F1B", "ZBH1", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble",
+                                 "DualPipeV"]))
     p = draw(st.integers(1, 5))
-    v = draw(st.integers(2, 3)) if name == "Interleaved1F1B" else 1
+    v = {"Interleaved1F1B": draw(st.integers(2, 3)), "LoopedBFS": draw(st.integers(1, 3)), "ZBVZeroBubble": 2,
+         "DualPipeV": 2}.get(name, 1)
     m = p * draw(st.integers(1, 3)) if name == "Interleaved1F1B" else draw(st.integers(1, 8))
+    m = max(m, 2 * p) if name == "DualPipeV" else m
     program = build(name, p, m, v)
     plan = Plan(encoder=ModulePlan(), llm=ModulePlan(pp=p), placement="colocated", microbatches=m,
                 schedule=program.name, virtual_stages=v)
@@ -71,42 +78,63 @@ def pipelines(draw):
     return random_pipeline(draw)
 
 
-@given(pipelines(), st.booleans())
-def test_execution_invariants(case, contention):
+def pipeline_graph(template, f, i, w, p2p, overlap=Overlap.SEQUENTIAL):
+    graph = lower(template)
+    timing = with_overlap(stage_times_timing(template, f, i, w, p2p), overlap)
+    return graph, graph_costs(graph, timing), timing
+
+
+def assert_valid_execution(graph, costs, start, end, contention):
+    """Every node once for its duration, after all it waits for; one compute stream per worker in
+    program order; one transfer at a time per link under contention."""
+    template = graph.template
+    computes = sorted((n.op, graph.workers[n.worker].replica) for n in graph.nodes if n.kind.is_compute)
+    assert computes == sorted((op.index, x) for op in template.ops
+                              for x in range(template.groups[op.group].replicas))
+    for k, node in enumerate(graph.nodes):
+        assert end[k] - start[k] == costs.duration[k]
+        assert all(start[k] >= end[d] for d in graph.deps[k])
+    for ids in graph.order:
+        compute = [k for k in ids if graph.nodes[k].stream is Stream.COMPUTE]
+        assert all(end[a] <= start[b] for a, b in zip(compute, compute[1:]))
+    if contention:
+        by_link = {}
+        for k, link in enumerate(graph.link):
+            if link >= 0:
+                by_link.setdefault(link, []).append((start[k], end[k]))
+        for spans in by_link.values():
+            spans.sort()
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+@given(pipelines(), st.booleans(), st.sampled_from(list(Overlap)))
+def test_execution_invariants(case, contention, overlap):
     template, (f, i, w), p2p = case
-    graph = expand(stage_times_timing(template, f, i, w, p2p))
-    ex = execute(graph, contention=contention)
-    compute = [o for o in range(len(graph)) if graph.worker[o] >= 0]
-    assert sorted(compute) == sorted(o for ops in graph.order for o in ops)  # every op once
-    for ops in graph.order:  # one compute stream per worker: no overlap, program order kept
-        for a, b in zip(ops, ops[1:]):
-            assert ex.end[a] <= ex.start[b]
-    for o in range(len(graph)):  # nothing starts before its inputs arrived
-        assert ex.end[o] - ex.start[o] == graph.duration[o]
-        for d, comm, _ in graph.deps[o]:
-            assert ex.start[o] >= ex.end[d] + comm
-    busiest = max(sum(graph.duration[o] for o in ops) for ops in graph.order)
-    start, end = longest_path(graph)
+    graph, costs, timing = pipeline_graph(template, f, i, w, p2p, overlap)
+    ex = execute(graph, costs, contention=contention)
+    assert_valid_execution(graph, costs, ex.start, ex.end, contention)
+    busiest = max(sum(int(costs.duration[k]) for k in ids if graph.nodes[k].kind.is_compute) for ids in graph.order)
+    _, end = longest_path(graph, costs)
     assert ex.makespan >= busiest
     assert ex.makespan >= int(end.max())  # at least the longest dependency chain
     if not contention:
-        assert ex.makespan == int(end.max())
+        assert ex.makespan == int(end.max()) == evaluate(timing).step_ns
 
 
 @given(pipelines(), st.integers(2, 5))
 def test_scaling_durations_scales_the_step(case, k):
     template, (f, i, w), p2p = case
-    one = execute(expand(stage_times_timing(template, f, i, w, p2p)))
-    many = execute(expand(stage_times_timing(template, f * k, i * k, w * k, p2p * k)))
+    one = execute(*pipeline_graph(template, f, i, w, p2p)[:2])
+    many = execute(*pipeline_graph(template, f * k, i * k, w * k, p2p * k)[:2])
     assert many.makespan == k * one.makespan
 
 
 @pytest.fixture(scope="module")
 def builder_setup(model, cluster):
     training = TrainingSpec(global_batch=128, recompute="full")
-    cost = AnalyticalCostModel(model, cluster.hardware, training)
+    system = System(model, cluster, training, AnalyticalCostModel(model, cluster.hardware, training))
     prof = profile_mix("llava-ov", 3000, model.encoder)
-    return training, cost, prof
+    return system, prof
 
 
 plans = st.one_of(
@@ -123,52 +151,48 @@ plans = st.one_of(
 
 @given(plans, st.integers(0, 10_000))
 def test_three_evaluators_agree_on_full_plans(model, cluster, builder_setup, plan, seed):
-    training, cost, prof = builder_setup
+    system, prof = builder_setup
     assume(not plan.problems(cluster, model, 128))
-    builder = StepBuilder(build_template(plan), model=model, cluster=cluster, training=training, cost=cost)
     rng = np.random.default_rng(seed)
     batch = prof.sample(64, rng)
-    assignment = rng.permutation(np.arange(64) % plan.bins)
-    timing = builder.timing(batch, assignment)
-    fast = evaluate(timing)
-    graph = expand(timing)
-    _, end = longest_path(graph)
-    simpy = execute(graph, contention=False)
+    step = StepRunner(plan, system).step(0, batch, rng.permutation(np.arange(64) % plan.bins))
+    fast = evaluate(step.timing)
+    start, end = longest_path(step.graph, step.costs)
+    simpy = execute(step.graph, step.costs, contention=False)
     assert fast.step_ns == int(end.max()) == simpy.makespan
-    assert execute(graph, contention=True).makespan >= fast.step_ns
+    assert_valid_execution(step.graph, step.costs, start, end, contention=False)
+    crowded = execute(step.graph, step.costs, contention=True)
+    assert crowded.makespan >= fast.step_ns
+    assert_valid_execution(step.graph, step.costs, crowded.start, crowded.end, contention=True)
 
 
 def test_disaggregated_default_model_simulates_with_bridge_and_allreduce(model, cluster, builder_setup):
-    from dflop.sim.simulate import simulate_steps
-
-    training, cost, prof = builder_setup
+    system, prof = builder_setup
     plan = Plan(encoder=ModulePlan(tp=1, pp=1, dp=8), llm=ModulePlan(tp=4, pp=2, dp=3), microbatches=4)
-    builder = StepBuilder(build_template(plan), model=model, cluster=cluster, training=training, cost=cost)
+    runner = StepRunner(plan, system)
     rng = np.random.default_rng(0)
     batches = [prof.sample(96, rng) for _ in range(2)]
-    sim = simulate_steps(builder, batches, lambda i, b: np.arange(len(b)) % plan.bins)
+    sim = simulate_steps(runner, batches, lambda i, b: np.arange(len(b)) % plan.bins)
     cats = {e.get("cat") for e in sim.trace["traceEvents"]}
-    assert {"F", "B", "p2p", "bridge", "allreduce"} <= cats
+    assert {"F", "B", "p2p", "bridge", "recv", "reduce_grad"} <= cats
     modules = {w["module"] for w in sim.trace["otherData"]["workers"]}
     assert modules == {"encoder", "llm"} and len(sim.trace["otherData"]["workers"]) == 8 + 6
     assert sim.metrics.steps == 2 and 0 < sim.metrics.bubble_fraction < 1
     # Same inputs, same trace.
-    again = simulate_steps(builder, batches, lambda i, b: np.arange(len(b)) % plan.bins)
+    again = simulate_steps(runner, batches, lambda i, b: np.arange(len(b)) % plan.bins)
     assert json.dumps(again.trace) == json.dumps(sim.trace)
 
 
 def test_out_of_memory_is_reported_with_rank_step_and_bytes(model, cluster, builder_setup):
-    from dflop.sim.simulate import simulate_steps
-
-    training, cost, prof = builder_setup
+    _, prof = builder_setup
     no_recompute = TrainingSpec(global_batch=128)
     plan = Plan(encoder=ModulePlan(tp=1, dp=2), llm=ModulePlan(tp=1, pp=1, dp=2), microbatches=1, zero=0)
-    builder = StepBuilder(build_template(plan), model=model, cluster=cluster, training=no_recompute,
-                          cost=AnalyticalCostModel(model, cluster.hardware, no_recompute))
+    runner = StepRunner(plan, System(model, cluster, no_recompute,
+                                     AnalyticalCostModel(model, cluster.hardware, no_recompute)))
     batch = prof.sample(64, np.random.default_rng(1))
-    sim = simulate_steps(builder, [batch], lambda i, b: np.arange(len(b)) % plan.bins)
+    sim = simulate_steps(runner, [batch], lambda i, b: np.arange(len(b)) % plan.bins)
     oom = sim.trace["otherData"]["oom"]
     assert oom and {"rank", "step", "bytes", "capacity"} <= set(oom[0])
     assert oom[0]["bytes"] > oom[0]["capacity"] and oom[0]["step"] == 0
-    timing = builder.timing(batch, np.arange(64) % plan.bins)  # the fast path agrees, without timing
+    timing = runner.step(0, batch, np.arange(64) % plan.bins).timing  # the fast path agrees, without timing
     assert not summarize(timing, evaluate(timing)).fits

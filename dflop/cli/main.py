@@ -162,7 +162,7 @@ def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) ->
     with progress_bar() as progress:
         result = job.optimize(s, progress=progress)
     save_spec(result.best.plan, out)
-    data = {**job.optimize_json(result, s.cluster.hardware.usable_memory_bytes), "out": str(out)}
+    data = {**job.optimize_json(result, s.system.hardware.usable_memory_bytes), "out": str(out)}
 
     def human(r: dict[str, Any]) -> str:
         p = r["plan"]
@@ -236,8 +236,8 @@ def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | N
     sim, info = job.simulate(s, plan, steps=steps or s.config.steps, solver=s.config.scheduler.solver, out=out,
                              name="simulate")
     timeline = plot_timeline(sim.trace, out / "timeline.png")
-    data = {"plan": job.plan_summary(plan), **job.step_fields(sim, s.training.global_batch),
-            "steps": sim.metrics.steps, "cost_model": s.cost.name, "scheduler": info["scheduler"],
+    data = {"plan": job.plan_summary(plan), **job.step_fields(sim, s.system.training.global_batch),
+            "steps": sim.metrics.steps, "cost_model": s.system.cost.name, "scheduler": info["scheduler"],
             "oom": sim.metrics.oom[:5], "artifacts": {"trace": info["trace"], "timeline": str(timeline)}}
 
     def human(r: dict[str, Any]) -> str:
@@ -253,19 +253,32 @@ def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | N
 
 
 @cli.command()
-@click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
-@click.option("--backend", type=click.Choice(["sim", "torch"]), default="sim", show_default=True)
+@click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one of the backend).")
+@click.option("--backend", type=click.Choice(["sim", "torch"], case_sensitive=False), default="sim", show_default=True,
+              help="sim: the SimPy simulator on the cost model; torch: real processes (torch.distributed).")
 @click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Steps to run.")
 @click.option("--out", type=Output(folder=True), default=Path("out/run"), show_default=True)
+@click.option("--resume", type=click.Path(exists=True, file_okay=False, writable=True, path_type=Path),
+              help="Continue the checkpointed torch run in this folder "
+              "(its plans and schedules; needs execution.checkpoint_every in the config).")
 @json_option
-def run(config: Path | None, backend: str, steps: int | None, out: Path, as_json: bool) -> None:
-    """Profile, optimize, schedule every step, execute, compare with the data-blind baseline."""
-    from dflop import job
+def run(config: Path | None, backend: str, steps: int | None, out: Path, resume: Path | None, as_json: bool) -> None:
+    """Plan, schedule every step and execute it (simulated, or for real with --backend torch); compare with the
+    best data-blind baseline."""
     from dflop.cli.progress import progress_bar
 
-    if backend == "torch":
-        raise DflopError("--backend torch is not available yet: dflop has no torch execution backend so far; "
-                         "use --backend sim")
+    if backend.lower() == "torch":
+        from dflop import torch_run
+
+        with progress_bar() as progress:
+            data = torch_run.run(config, steps=steps, out=out, resume=resume, progress=progress)
+        if data is not None:  # under torchrun only rank 0 reports
+            emit(data, as_json, _torch_human)
+        return
+    if resume is not None:
+        raise click.UsageError("--resume continues a torch run; add --backend torch")
+    from dflop import job
+
     s = job.setup(config)
     ensure_writable_folder(out, "output")
     with progress_bar() as progress:
@@ -285,6 +298,22 @@ def run(config: Path | None, backend: str, steps: int | None, out: Path, as_json
             f"timeline  {r['artifacts']['timeline']}"])
 
     emit(data, as_json, human)
+
+
+def _torch_human(r: dict[str, Any]) -> str:
+    def line(name: str, x: dict[str, Any]) -> list[str]:
+        return [f"{name:<9} {x['plan']['describe']}",
+                f"          measured step {x['step_time_s']['mean']:.3f} s (predicted {x['predicted_step_time_s']['mean']:.3f} s, "
+                f"{x['prediction_error']:+.1%}), {x['throughput_samples_per_s']:.1f} samples/s, bubbles "
+                f"{x['bubble_fraction']:.1%}, loss {x['losses'][0]:.4f} -> {x['losses'][-1]:.4f}"]
+
+    lines = [f"{r['model']} on {r['gpus']} {r['device']} processes (torch), {r['data']}, global batch "
+             f"{r['global_batch']}, {r['steps']} steps"] + line("dflop", r)
+    if "baseline" in r:
+        lines += line("baseline", r["baseline"])
+        lines.append(f"speedup   {r['speedup']:.2f}x measured ({r['predicted_speedup']:.2f}x predicted)")
+    lines.append(f"timeline  {r['artifacts']['timeline']} (measured above, predicted below)")
+    return "\n".join(lines)
 
 
 @cli.group()

@@ -73,9 +73,11 @@ class DecoderBlock(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.spec.head_dim
         a = self.norm1(x)
-        q = rotary(self.q(a).view(t, self.heads, d), positions, self.spec.rope_theta)
-        k = rotary(self.k(a).view(t, self.kv_heads, d), positions, self.spec.rope_theta)
-        v = self.v(a).view(t, self.kv_heads, d)
+        # width // d heads: the local count when tensor parallelism has sharded the projections
+        heads = lambda y: y.view(t, y.shape[-1] // d, d)  # noqa: E731
+        q = rotary(heads(self.q(a)), positions, self.spec.rope_theta)
+        k = rotary(heads(self.k(a)), positions, self.spec.rope_theta)
+        v = heads(self.v(a))
         x = x + self.o(varlen_attention(q, k, v, cu_seqlens, causal=True).reshape(t, -1))
         m = self.norm2(x)
         return x + self.down(F.silu(self.gate(m)) * self.up(m))

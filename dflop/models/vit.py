@@ -31,7 +31,10 @@ class VisionBlock(nn.Module):
         self.heads = shard(spec.heads, tp, "attention heads")
         h, inner = spec.hidden, self.heads * spec.head_dim
         self.norm1 = _norm(spec, h)
-        self.qkv = nn.Linear(h, 3 * inner, bias=spec.qkv_bias)
+        # Separate projections (as SigLIP's q_proj/k_proj/v_proj): column-parallel TP shards each by heads.
+        self.q = nn.Linear(h, inner, bias=spec.qkv_bias)
+        self.k = nn.Linear(h, inner, bias=spec.qkv_bias)
+        self.v = nn.Linear(h, inner, bias=spec.qkv_bias)
         self.q_norm = RMSNorm(inner) if spec.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(inner) if spec.qk_norm else nn.Identity()
         self.proj = nn.Linear(inner, h)
@@ -44,10 +47,13 @@ class VisionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tiles, length, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
-        q, k = self.q_norm(q), self.k_norm(k)
-        split = lambda t: t.view(tiles, length, self.heads, -1).transpose(1, 2)  # noqa: E731
-        a = F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(1, 2).reshape(tiles, length, -1)
+        a = self.norm1(x)
+        q, k, v = self.q_norm(self.q(a)), self.k_norm(self.k(a)), self.v(a)
+        # width // head_dim heads: the local count when tensor parallelism has sharded the projections
+        split = lambda t: t.view(tiles, length, t.shape[-1] // self.spec.head_dim,  # noqa: E731
+                                  self.spec.head_dim).transpose(1, 2)
+        a = F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(1, 2).reshape(tiles, length,
+                                                                                               q.shape[-1])
         a = self.proj(a)
         x = x + (a * self.ls1 if self.ls1 is not None else a)
         m = self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))

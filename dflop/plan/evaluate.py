@@ -24,11 +24,11 @@ from functools import lru_cache
 import numpy as np
 
 from dflop.cost.protocol import CostModel, StageSpec, WorkShape
+from dflop.cost.system import System
 from dflop.errors import InfeasibleError
-from dflop.program.costing import StepBuilder
-from dflop.program.evaluate import evaluate, summarize
 from dflop.program.actions import Kind
-from dflop.program.template import build_template
+from dflop.program.evaluate import evaluate, summarize
+from dflop.program.steps import StepRunner
 from dflop.schedule.heuristics import lpt
 from dflop.schedule.improve import improve
 from dflop.schedule.problem import Partition, PartitionProblem, finish
@@ -46,14 +46,27 @@ batch in the pool)."""
 
 @dataclass(frozen=True)
 class PlanningProblem:
-    """What to plan for: the model, the GPUs, the recipe, the cost model and the data."""
+    """What to plan for: the system (model, GPUs, recipe, cost model) and the data."""
 
-    model: MLLMSpec
-    cluster: ClusterSpec
-    training: TrainingSpec
-    cost: CostModel
+    system: System
     data: SampleTable
     seed: int = 0
+
+    @property
+    def model(self) -> MLLMSpec:
+        return self.system.model
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        return self.system.cluster
+
+    @property
+    def training(self) -> TrainingSpec:
+        return self.system.training
+
+    @property
+    def cost(self) -> CostModel:
+        return self.system.cost
 
 
 class BatchPool:
@@ -122,14 +135,16 @@ def quick(problem: PartitionProblem) -> Partition:
 
 @lru_cache(maxsize=256)
 def inflight(schedule: str, stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
-    """Most microbatches each rank holds activations for at once (forward until its B or W)."""
+    """Most (stage, microbatch) activations each rank holds at once, from a forward until its B or
+    W, over all the stages the rank holds (both arms of a V); an overlapped F&B step counts its
+    forward before its backward frees anything, as both are live together."""
     from dflop.program.schedules import build
 
     program = build(schedule, stages // virtual, microbatches, virtual)
     out = []
-    for actions in program.ranks:
+    for rank in range(program.num_ranks):
         held = peak = 0
-        for a in actions:
+        for a in program.parts(rank):
             held += 1 if a.kind is Kind.F else (-1 if a.kind in (Kind.B, Kind.W) else 0)
             peak = max(peak, held)
         out.append(peak)
@@ -148,7 +163,7 @@ class Evaluator:
         self.mean_tiles = float(data.tiles.mean())
         self.max_tokens = float(data.llm_tokens.max())
         self.max_tiles = float(data.tiles.max())
-        self._builders: dict[Plan, StepBuilder] = {}
+        self._runners: dict[Plan, StepRunner] = {}
         self._blind: dict[int, tuple[float, float]] = {}
         self._whole: dict[tuple, np.ndarray] = {}
 
@@ -194,12 +209,12 @@ class Evaluator:
         llm_layers = plan.stage_layers("llm", model)
         per_stage = [self._whole_batch(StageSpec.of("llm", llm_layers, s, plan.llm.tp), n)
                      for s in range(len(llm_layers))]
-        if plan.placement == "colocated":
+        if plan.colocated:
             enc = StageSpec("encoder", model.encoder.layers, plan.llm.tp, first=True, last=True)
             per_stage[0] = per_stage[0] + self._whole_batch(enc, n)
         ranks = [sum(per_stage[s] for s in range(r, len(per_stage), plan.llm.pp)) / plan.llm.dp
                  for r in range(plan.llm.pp)]
-        if plan.placement == "disaggregated":
+        if not plan.colocated:
             enc_layers = plan.stage_layers("encoder", model)
             ranks += [self._whole_batch(StageSpec.of("encoder", enc_layers, s, plan.encoder.tp), n)
                       / plan.encoder.dp for s in range(len(enc_layers))]
@@ -207,14 +222,12 @@ class Evaluator:
 
     # ---- evaluation -----------------------------------------------------------------------------
 
-    def builder(self, plan: Plan) -> StepBuilder:
-        if plan not in self._builders:
-            if len(self._builders) > 64:
-                self._builders.pop(next(iter(self._builders)))
-            p = self.p
-            self._builders[plan] = StepBuilder(build_template(plan), model=p.model, cluster=p.cluster,
-                                               training=p.training, cost=p.cost)
-        return self._builders[plan]
+    def runner(self, plan: Plan) -> StepRunner:
+        if plan not in self._runners:
+            if len(self._runners) > 64:
+                self._runners.pop(next(iter(self._runners)))
+            self._runners[plan] = StepRunner(plan, self.p.system)
+        return self._runners[plan]
 
     def assignment(self, plan: Plan, batch: SampleTable, data_aware: bool) -> tuple[np.ndarray, float]:
         """Bins of one batch, as the scheduler (or a data-blind framework) makes them."""
@@ -228,7 +241,7 @@ class Evaluator:
 
     def extend(self, estimate: Estimate, upto: int) -> Estimate:
         """Time the plan on batches estimate.n .. upto-1."""
-        builder = self.builder(estimate.plan)
+        runner = self.runner(estimate.plan)
         for i in range(estimate.n, upto):
             batch = self.pool[i]
             try:
@@ -236,7 +249,7 @@ class Evaluator:
             except InfeasibleError:
                 estimate.infeasible = True
                 return estimate
-            timing = builder.timing(batch, assignment)
+            timing = runner.step(i, batch, assignment).timing
             summary = summarize(timing, evaluate(timing))
             estimate.steps.append(summary.step_s)
             estimate.bubble.append(summary.bubble_fraction)

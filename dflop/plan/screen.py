@@ -55,7 +55,7 @@ class Screener:
         p, ev = self.p, self.ev
         model, hw = p.model, p.cluster.hardware
         layers = {"encoder": plan.stage_layers("encoder", model), "llm": plan.stage_layers("llm", model)}
-        colocated = plan.placement == "colocated"
+        colocated = plan.colocated
         enc_stages = 0 if colocated else plan.encoder.pp
         virtual = plan.virtual_stages if colocated else 1
         ranks = enc_stages + plan.llm.pp

@@ -30,7 +30,7 @@ from dflop.plan.evaluate import BatchPool, Estimate, Evaluator, PlanningProblem
 from dflop.plan.screen import Screener
 from dflop.plan.space import BASELINES, DFLOP, Space, SpaceBuilder
 from dflop.specs.hardware import GIB
-from dflop.specs.plan import Plan
+from dflop.specs.plan import Placement, Plan
 
 Progress = Callable[[str, int, int], None]
 """(what, done, total)."""
@@ -143,7 +143,7 @@ class Optimizer:
                 return True
             return False
 
-        for placement in ("colocated", "disaggregated"):
+        for placement in (Placement.COLOCATED, Placement.DISAGGREGATED):
             screened = []
             for plan in self.spaces.plans(space, placement, skip):
                 stats.enumerated += 1

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.plan.split import balanced_split
-from dflop.specs.plan import ModulePlan, Plan
+from dflop.specs.plan import ModulePlan, Placement, Plan
 
 PP_OPTIONS = (1, 2, 3, 4, 6, 8, 12, 16)
 ENCODER_PP_OPTIONS = (1, 2, 3, 4)
@@ -31,16 +31,16 @@ MICROBATCH_OPTIONS = (1, 2, 4, 8, 16, 32, 64, 128)
 class Space:
     name: str
     data_aware: bool
-    placements: tuple[str, ...]
+    placements: tuple[Placement, ...]
     schedules: tuple[str, ...]
     balanced_layers: bool
     zero: int = 1
     pure_dp: bool = False
 
 
-DFLOP = Space("dflop", True, ("disaggregated", "colocated"), ("1F1B", "ZBH1", "Interleaved1F1B"), True)
-MEGATRON = Space("megatron", False, ("colocated",), ("1F1B", "Interleaved1F1B"), False)
-PYTORCH = Space("pytorch", False, ("colocated",), ("1F1B",), False, zero=3, pure_dp=True)
+DFLOP = Space("dflop", True, (Placement.DISAGGREGATED, Placement.COLOCATED), ("1F1B", "ZBH1", "Interleaved1F1B"), True)
+MEGATRON = Space("megatron", False, (Placement.COLOCATED,), ("1F1B", "Interleaved1F1B"), False)
+PYTORCH = Space("pytorch", False, (Placement.COLOCATED,), ("1F1B",), False, zero=3, pure_dp=True)
 BASELINES = (MEGATRON, PYTORCH)
 
 
@@ -103,16 +103,17 @@ class SpaceBuilder:
     def _pp_options(self, layers: int, options: tuple[int, ...], virtual: int = 1) -> list[int]:
         return [p for p in options if p * virtual <= layers]
 
-    def plans(self, space: Space, placement: str,
+    def plans(self, space: Space, placement: Placement,
               skip_split: Callable[[int], bool] | None = None) -> Iterator[Plan]:
         """Plans of ``space`` with one placement; ``skip_split(encoder_gpus)`` drops whole GPU splits."""
+        placement = Placement(placement)
         if placement not in space.placements:
             return
         if space.pure_dp:
             for m in self.microbatches(self.n, 1, False):
-                yield Plan(encoder=ModulePlan(dp=self.n), llm=ModulePlan(dp=self.n), placement="colocated",
+                yield Plan(encoder=ModulePlan(dp=self.n), llm=ModulePlan(dp=self.n), placement=Placement.COLOCATED,
                            microbatches=m, schedule="1F1B", zero=space.zero)
-        elif placement == "colocated":
+        elif placement is Placement.COLOCATED:
             yield from self._colocated(space)
         else:
             yield from self._disaggregated(space, skip_split or (lambda e: False))
@@ -132,7 +133,7 @@ class SpaceBuilder:
                         split = (self.llm_split(tp, pp * virtual, self.batch / (dp * m), tp)
                                  if space.balanced_layers else ())
                         yield Plan(encoder=ModulePlan(tp=tp, dp=dp), llm=ModulePlan(tp=tp, pp=pp, dp=dp,
-                                   layers_per_stage=split), placement="colocated", microbatches=m,
+                                   layers_per_stage=split), placement=Placement.COLOCATED, microbatches=m,
                                    schedule=schedule, virtual_stages=virtual, zero=space.zero)
 
     def encoder_gpu_options(self, llm_tp: int) -> list[int]:
@@ -168,5 +169,5 @@ class SpaceBuilder:
                                 for schedule in schedules:
                                     yield Plan(encoder=ModulePlan(tp=etp, pp=epp, dp=edp, layers_per_stage=esplit),
                                                llm=ModulePlan(tp=tp, pp=pp, dp=dp, layers_per_stage=split),
-                                               placement="disaggregated", microbatches=m, schedule=schedule,
+                                               placement=Placement.DISAGGREGATED, microbatches=m, schedule=schedule,
                                                zero=space.zero)

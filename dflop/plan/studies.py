@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from dflop.cost.analytical import AnalyticalCostModel
+from dflop.cost.system import System
 from dflop.cost.flops import llm_layer_flops, vit_layer_flops
 from dflop.plan.evaluate import PlanningProblem
 from dflop.plan.search import OptimizeResult, optimize
@@ -29,8 +30,8 @@ def _problem(encoder: str, llm: str, gpus: int, spec: MixSpec, samples_per_gpu: 
     batch = samples_per_gpu * gpus
     training = TrainingSpec(global_batch=batch, recompute="full")
     data = synthesize(spec, 20000, model.encoder, seed)
-    return PlanningProblem(model, cluster, training, AnalyticalCostModel(model, cluster.hardware, training),
-                           data, seed), batch
+    system = System(model, cluster, training, AnalyticalCostModel(model, cluster.hardware, training))
+    return PlanningProblem(system, data, seed), batch
 
 
 def _record(result: OptimizeResult, **point: Any) -> dict[str, Any]:

@@ -2,8 +2,11 @@
 
 Actions read as torch.distributed.pipelining writes them: ``<stage><kind><microbatch>``,
 e.g. ``1F3`` (stage 1, forward, microbatch 3), ``2I0`` (backward through the
-inputs), ``2W0`` (weight gradients), ``0SEND_F1``. A program round-trips
-through CSV, one row per rank, as torch's ``_dump_csv`` writes it.
+inputs), ``2W0`` (weight gradients), ``0SEND_F1``, and DualPipeV's overlapped
+forward and backward ``(0F7;7B3)OVERLAP_F_B``: one step of the rank made of two
+sub-actions of different microbatches, whose compute and communication may hide
+each other. A program round-trips through CSV, one row per rank, as torch's
+``_dump_csv`` writes it.
 """
 
 from __future__ import annotations
@@ -28,13 +31,44 @@ class Kind(str, Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    BRIDGE_SEND_F = "BRIDGE_SEND_F"
+    """Image features from an encoder replica to an LLM replica that owns some of its samples."""
+    BRIDGE_RECV_F = "BRIDGE_RECV_F"
+    BRIDGE_SEND_B = "BRIDGE_SEND_B"
+    """Gradients of those features, back from the LLM replica to the encoder replica."""
+    BRIDGE_RECV_B = "BRIDGE_RECV_B"
+    REDUCE_GRAD = "REDUCE_GRAD"
+    """Gradient reduction across data-parallel replicas (all-reduce, or reduce-scatter when sharded)."""
+    UNSHARD = "UNSHARD"
+    """All-gather of a sharded (FSDP) stage's parameters before its first use in a step."""
+    RESHARD = "RESHARD"
+    """Free the gathered parameters after the stage's last use in a step."""
+    OVERLAP_F_B = "OVERLAP_F_B"
+    """A forward and a backward of two microbatches run together (its ``sub_actions``)."""
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.B, Kind.I, Kind.W)
+        return self in _COMPUTE
+
+    @property
+    def is_send(self) -> bool:
+        return self in _SENDS
+
+    @property
+    def is_recv(self) -> bool:
+        return self in _RECVS
+
+    @property
+    def is_collective(self) -> bool:
+        return self in (Kind.REDUCE_GRAD, Kind.UNSHARD, Kind.RESHARD)
 
 
+_COMPUTE = frozenset((Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP_F_B))
+_SENDS = frozenset((Kind.SEND_F, Kind.SEND_B, Kind.BRIDGE_SEND_F, Kind.BRIDGE_SEND_B))
+_RECVS = frozenset((Kind.RECV_F, Kind.RECV_B, Kind.BRIDGE_RECV_F, Kind.BRIDGE_RECV_B))
 _ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+_OVERLAP = re.compile(r"^\(([^()]*)\)OVERLAP_F_B$")
+_PLAIN_COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +76,44 @@ class Action:
     stage: int
     kind: Kind
     microbatch: int
+    sub_actions: tuple["Action", ...] = ()
+    """The plain compute actions of an OVERLAP_F_B, in the order the rank issues them (torch's
+    runtime runs them in this order unless a custom overlapped function is registered)."""
+
+    def __post_init__(self) -> None:
+        if (self.kind is Kind.OVERLAP_F_B) != bool(self.sub_actions):
+            raise DflopError(f"action {self.kind.value}: only OVERLAP_F_B has sub-actions, and it needs some")
+        if self.sub_actions and (len(self.sub_actions) != 2
+                                 or any(a.kind not in _PLAIN_COMPUTE for a in self.sub_actions)):
+            raise DflopError(f"OVERLAP_F_B needs two sub-actions of kind F, B, I or W, got "
+                             f"({';'.join(str(a) for a in self.sub_actions)})")
+
+    @classmethod
+    def overlap(cls, *sub_actions: "Action") -> "Action":
+        """torch's ``_Action(-1, OVERLAP_F_B, None, sub_actions)``."""
+        return cls(-1, Kind.OVERLAP_F_B, -1, tuple(sub_actions))
+
+    @property
+    def parts(self) -> tuple["Action", ...]:
+        """The plain actions this one stands for: its sub-actions, or itself."""
+        return self.sub_actions or (self,)
 
     def __str__(self) -> str:
+        if self.sub_actions:
+            return f"({';'.join(str(a) for a in self.sub_actions)}){self.kind.value}"
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 
     @classmethod
     def parse(cls, text: str) -> "Action":
-        match = _ACTION.match(text.strip())
+        text = text.strip()
+        overlap = _OVERLAP.match(text)
+        if overlap:
+            return cls.overlap(*(cls.parse(part) for part in overlap.group(1).split(";")))
+        match = _ACTION.match(text)
         if not match:
             raise DflopError(f"invalid action '{text}': expected <stage><kind><microbatch>, e.g. 1F3, "
-                             "kinds F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B")
+                             "kinds F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, or "
+                             "(<action>;<action>)OVERLAP_F_B")
         return cls(int(match.group(1)), Kind(match.group(2)), int(match.group(3)))
 
 
@@ -78,6 +140,10 @@ class Program:
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
 
+    def parts(self, rank: int) -> list[Action]:
+        """Rank ``rank``'s plain actions in order, each OVERLAP_F_B replaced by its sub-actions."""
+        return [p for a in self.ranks[rank] for p in a.parts]
+
     def to_csv(self) -> str:
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
@@ -93,11 +159,11 @@ class Program:
         ranks = tuple(tuple(Action.parse(cell) for cell in row) for row in rows if row)
         if not ranks:
             raise DflopError("program CSV has no actions")
-        actions = [a for row in ranks for a in row]
+        actions = [p for row in ranks for a in row for p in a.parts]
         stages = max(a.stage for a in actions) + 1
         owner: dict[int, int] = {}
         for rank, row in enumerate(ranks):
-            for a in row:
+            for a in (p for action in row for p in action.parts):
                 if a.kind.is_compute and owner.setdefault(a.stage, rank) != rank:
                     raise DflopError(f"program CSV: stage {a.stage} has compute on ranks "
                                      f"{owner[a.stage]} and {rank}")

@@ -6,6 +6,11 @@ rank that owns the stage) and *deadlock-free* (the union of program order and
 data dependencies has no cycle: then some execution finishes). The proof is a
 networkx acyclicity check; the explanation of a failure is a dry run in
 lockstep that shows, step by rank, what ran until everything got stuck.
+
+An overlapped step ``(F;B)OVERLAP_F_B`` counts its sub-actions for
+completeness and is one node for deadlock freedom: it starts once the inputs of
+all its sub-actions are there (as torch's lowering posts all their receives
+before it), and a sub-action may use an earlier sibling's output.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ class ProgramError(DflopError):
 
 def _completeness(program: Program) -> list[str]:
     problems = []
-    counts = Counter((a.stage, a.kind, a.microbatch) for row in program.ranks for a in row)
-    for rank, row in enumerate(program.ranks):
-        for a in row:
+    counts = Counter((a.stage, a.kind, a.microbatch) for r in range(program.num_ranks) for a in program.parts(r))
+    for rank in range(program.num_ranks):
+        for a in program.parts(rank):
             if not (0 <= a.stage < program.stages and 0 <= a.microbatch < program.microbatches):
                 problems.append(f"rank {rank} runs {a}, outside {program.stages} stages x "
                                 f"{program.microbatches} microbatches")
@@ -54,7 +59,8 @@ def _completeness(program: Program) -> list[str]:
 
 def _split(program: Program) -> set[tuple[int, int]]:
     """(stage, microbatch) pairs whose backward is split into I and W."""
-    return {(a.stage, a.microbatch) for row in program.ranks for a in row if a.kind is Kind.I}
+    return {(a.stage, a.microbatch) for r in range(program.num_ranks) for a in program.parts(r)
+            if a.kind is Kind.I}
 
 
 def _deps(program: Program, a: Action, split: set[tuple[int, int]]) -> list[Action]:
@@ -90,21 +96,30 @@ def _backward_of(stage: int, k: int, split: set[tuple[int, int]]) -> Action:
     return Action(stage, Kind.I if (stage, k) in split else Kind.B, k)
 
 
+def _external_deps(program: Program, a: Action, split: set[tuple[int, int]]) -> list[Action]:
+    """What ``a`` (or any of its sub-actions) needs from outside itself; a sub-action's need for
+    an earlier sibling is met inside, for a later one it stays (and makes a cycle)."""
+    out = []
+    for i, part in enumerate(a.parts):
+        out += [d for d in _deps(program, part, split) if d not in a.sub_actions[:i]]
+    return out
+
+
 def dependency_graph(program: Program) -> nx.DiGraph:
-    """Program order plus data dependencies; nodes are actions."""
+    """Program order plus data dependencies; nodes are actions (an OVERLAP_F_B is one node)."""
     g = nx.DiGraph()
-    present = {a for row in program.ranks for a in row}
+    node = {p: a for row in program.ranks for a in row for p in a.parts}
     split = _split(program)
     for rank, row in enumerate(program.ranks):
         for i, a in enumerate(row):
             g.add_node(a, rank=rank, index=i)
             if i:
                 g.add_edge(row[i - 1], a, why="order")
-    for a in present:
-        for d in _deps(program, a, split):
-            if d not in present:
+    for a in set(node.values()):
+        for d in _external_deps(program, a, split):
+            if d not in node:
                 raise ProgramError(f"{a} depends on {d}, which no rank runs")
-            g.add_edge(d, a, why="data")
+            g.add_edge(node[d], a, why="data")
     return g
 
 
@@ -115,11 +130,11 @@ def dry_run(program: Program) -> tuple[list[list[str]], list[str]]:
     split = _split(program)
     cursor = [0] * program.num_ranks
     cells: list[list[str]] = [[] for _ in range(program.num_ranks)]
-    total = sum(len(row) for row in program.ranks)
+    total = sum(len(program.parts(r)) for r in range(program.num_ranks))
     while len(done) < total:
         ran = []
         for r, row in enumerate(program.ranks):
-            if cursor[r] < len(row) and all(d in done for d in _deps(program, row[cursor[r]], split)):
+            if cursor[r] < len(row) and all(d in done for d in _external_deps(program, row[cursor[r]], split)):
                 ran.append(row[cursor[r]])
                 cells[r].append(str(row[cursor[r]]))
                 cursor[r] += 1
@@ -132,10 +147,10 @@ def dry_run(program: Program) -> tuple[list[list[str]], list[str]]:
             for r, row in enumerate(program.ranks):
                 if cursor[r] < len(row):
                     a = row[cursor[r]]
-                    missing = [str(d) for d in _deps(program, a, split) if d not in done]
+                    missing = [str(d) for d in _external_deps(program, a, split) if d not in done]
                     waits.append(f"rank {r} waits at {a} for {', '.join(missing)}")
             return cells, waits
-        done.update(ran)
+        done.update(p for a in ran for p in a.parts)
     return cells, []
 
 

@@ -16,13 +16,15 @@ import numpy as np
 
 from dflop.cost.comm import allgather_time, p2p_time, ring_allreduce_time
 from dflop.cost.memory import stage_params, state_bytes
-from dflop.cost.protocol import CostModel, StageCost, StageSpec, WorkShape
+from dflop.cost.protocol import StageCost, StageSpec, WorkShape
+from dflop.cost.system import System
 from dflop.errors import DflopError
 from dflop.program.actions import Kind
+from dflop.program.routing import encoder_replicas
 from dflop.program.template import Template
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
-from dflop.specs.plan import Placement, Plan, place
+from dflop.specs.plan import Plan, place
 from dflop.workload.sample import SampleTable
 
 NS = 1e9
@@ -101,25 +103,6 @@ def bin_shapes(batch: SampleTable, assignment: np.ndarray, replicas: int, microb
     return BinShapes(total(None), total(batch.tiles.astype(float)), total(tokens), total(tokens * tokens))
 
 
-def encoder_chunks(batch: SampleTable, assignment: np.ndarray, llm_dp: int, microbatches: int,
-                   encoder_dp: int) -> np.ndarray:
-    """Encoder replica of every sample: microbatch k's samples (its bins in replica order) cut
-    into ``encoder_dp`` contiguous chunks of about equal tiles."""
-    k_of = assignment % microbatches
-    order = np.lexsort((np.arange(len(assignment)), assignment // microbatches, k_of))
-    tiles = batch.tiles[order].astype(float)
-    k_sorted = k_of[order]
-    totals = np.bincount(k_sorted, weights=tiles, minlength=microbatches)
-    cum = np.cumsum(tiles) - tiles  # tiles before each sample, over all microbatches
-    starts = np.concatenate([[0.0], np.cumsum(totals)[:-1]])
-    before = cum - starts[k_sorted]
-    denom = np.where(totals[k_sorted] > 0, totals[k_sorted], 1.0)
-    chunk = np.minimum(encoder_dp - 1, np.floor(encoder_dp * (before + tiles / 2) / denom)).astype(np.int64)
-    out = np.empty(len(assignment), dtype=np.int64)
-    out[order] = chunk
-    return out
-
-
 def stage_param_count(model: MLLMSpec, layers: tuple[int, ...], module: str, stage: int,
                       colocated: bool) -> float:
     """Parameters of a module-local stage; a colocated LLM stage 0 also holds the encoder."""
@@ -132,7 +115,7 @@ def stage_param_count(model: MLLMSpec, layers: tuple[int, ...], module: str, sta
 def group_state(plan: Plan, model: MLLMSpec, training: TrainingSpec, layers: dict[str, tuple[int, ...]],
                 module: str, stages: tuple[int, ...], tp: int) -> tuple[float, float]:
     """(parameters, model-state bytes per GPU) of one pipeline rank holding ``stages``."""
-    colocated = plan.placement == "colocated"
+    colocated = plan.colocated
     params = sum(stage_param_count(model, layers[module], module, s, colocated) for s in stages)
     layer = max(stage_params(model, StageSpec(module, 1)), 1)
     dp = plan.module(module).dp
@@ -155,14 +138,15 @@ class StepBuilder:
     optimizer times each plan on many batches.
     """
 
-    def __init__(self, template: Template, *, model: MLLMSpec, cluster: ClusterSpec,
-                 training: TrainingSpec, cost: CostModel) -> None:
-        self.t, self.model, self.cluster, self.training, self.cost = template, model, cluster, training, cost
+    def __init__(self, template: Template, system: System) -> None:
+        self.t, self.system = template, system
+        self.model, self.cluster, self.training, self.cost = system.model, system.cluster, system.training, system.cost
         plan = template.plan
         self.plan, self.m = plan, plan.microbatches
-        placement: Placement = place(plan, cluster)
-        self.gpus = [[placement.gpus(g.module, g.rank, x) for x in range(g.replicas)] for g in template.groups]
-        self.layers = {"encoder": plan.stage_layers("encoder", model), "llm": plan.stage_layers("llm", model)}
+        gpu_map = place(plan)
+        self.gpus = [[gpu_map.gpus(g.module, g.rank, x) for x in range(g.replicas)] for g in template.groups]
+        self.layers = {"encoder": plan.stage_layers("encoder", self.model),
+                       "llm": plan.stage_layers("llm", self.model)}
         self.links: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         for op in template.ops:
             for d in op.deps:
@@ -207,6 +191,7 @@ class StepBuilder:
         return _Costing(self, batch, np.asarray(assignment, dtype=np.int64)).build()
 
 
+
 class _Costing:
     """The batch-dependent half: bins, encoder chunks, stage costs, transfers."""
 
@@ -219,7 +204,7 @@ class _Costing:
         self.bins = bin_shapes(batch, assignment, plan.llm.dp, m)
         self.batch, self.assignment = batch, assignment
         if not builder.t.colocated:
-            self.chunk = encoder_chunks(batch, assignment, plan.llm.dp, m, plan.encoder.dp)
+            self.chunk = encoder_replicas(batch.tiles, assignment, m, plan.encoder.dp)
             n = plan.encoder.dp * m
             key = self.chunk * m + assignment % m
             enc_tiles = np.bincount(key, weights=batch.tiles.astype(float), minlength=n)
@@ -309,10 +294,3 @@ class _Costing:
         ns = to_ns(p2p_time(nbytes, bw[j, r], lat[j, r]))
         src, dst = (j, r) if op.action.kind is Kind.F else (r, j)
         return src.astype(np.int64), dst.astype(np.int64), ns
-
-
-def step_timing(template: Template, *, model: MLLMSpec, cluster: ClusterSpec, training: TrainingSpec,
-                cost: CostModel, batch: SampleTable, assignment: np.ndarray) -> StepTiming:
-    """Numbers of one step of ``template`` on ``batch`` (one-off; reuse a StepBuilder for many)."""
-    return StepBuilder(template, model=model, cluster=cluster, training=training,
-                       cost=cost).timing(batch, assignment)

@@ -59,12 +59,12 @@ def evaluate(timing: StepTiming) -> StepTimes:
         replicas = t.groups[op.group].replicas
         ready = end[op.prev].copy() if op.prev >= 0 else np.zeros(replicas, dtype=np.int64)
         for d, comm in zip(op.deps, timing.dep_comm[i]):
-            np.maximum(ready, end[d] + comm, out=ready)
+            np.maximum(ready, end[t.ops[d].released_by] + comm, out=ready)
         edges = timing.bridge[i]
         if edges is not None and len(edges[0]):
             src, dst, ns = edges
             arrival = np.zeros(replicas, dtype=np.int64)
-            np.maximum.at(arrival, dst, end[op.bridge][src] + ns)
+            np.maximum.at(arrival, dst, end[t.ops[op.bridge].released_by][src] + ns)
             np.maximum(ready, arrival, out=ready)
         start[i] = ready
         end[i] = ready + timing.duration[i]

@@ -11,15 +11,22 @@ Each builder returns a :class:`Program` for ``pp`` ranks and ``m`` microbatches:
   gradients (W), the W's deferred into what would be bubbles (Qi et al.,
   "Zero Bubble Pipeline Parallelism", 2024); with one chunk per rank this is
   their ZB-H1 schedule, registered also as ``ZBH1``.
+- ``LoopedBFS``: looped placement like Interleaved1F1B, but breadth-first: all
+  forwards of a rank's earlier stage before its next stage.
+- ``ZBVZeroBubble`` and ``DualPipeV``: two stages per rank in a V (see
+  :mod:`dflop.program.vshape`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable
 
 from dflop.errors import DflopError
 from dflop.program.actions import Action, Kind, Program
+from dflop.program.placement import StagePlacement
+from dflop.program.vshape import dual_pipe_v, zbv_zero_bubble
 
 
 def gpipe(pp: int, m: int) -> Program:
@@ -115,41 +122,104 @@ def interleaved_zero_bubble(pp: int, m: int, v: int = 1) -> Program:
                    _one_f_one_b_ranks(pp, m, v, zero_bubble=True, name=name))
 
 
+def looped_bfs(pp: int, m: int, v: int = 2) -> Program:
+    """Breadth-first: every microbatch through a rank's earlier stage before its next one
+    (Lamy-Poirier, "Breadth-First Pipeline Parallelism", 2023); backwards last stage first, last
+    microbatch first, as torch orders them."""
+    stages = pp * v
+    ranks = []
+    for rank in range(pp):
+        own = range(rank, stages, pp)
+        ranks.append(tuple([Action(s, Kind.F, k) for s in own for k in range(m)]
+                           + [Action(s, Kind.B, k) for s in reversed(own) for k in reversed(range(m))]))
+    return Program("LoopedBFS", stages, m, StagePlacement.LOOP.stage_to_rank(pp, stages), tuple(ranks))
+
+
 Builder = Callable[..., Program]
 
-SCHEDULES: dict[str, tuple[str, Builder, bool]] = {
-    # lower-case key: (display name, builder, takes virtual stages)
-    "gpipe": ("GPipe", gpipe, False),
-    "1f1b": ("1F1B", one_f_one_b, False),
-    "interleaved1f1b": ("Interleaved1F1B", interleaved_1f1b, True),
-    "interleavedzerobubble": ("InterleavedZeroBubble", interleaved_zero_bubble, True),
-    "zbh1": ("ZBH1", interleaved_zero_bubble, False),
-}
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    name: str
+    """As torch.distributed.pipelining names it."""
+    builder: Builder
+    stages_per_rank: int | None
+    """Fixed stages per rank, or None where the schedule takes any number (virtual stages)."""
+    placement: StagePlacement
+    splits_backward: bool
+    """Has separate input- and weight-gradient actions (I and W)."""
+
+
+SCHEDULES: dict[str, ScheduleKind] = {s.name.lower(): s for s in (
+    ScheduleKind("GPipe", gpipe, 1, StagePlacement.LOOP, False),
+    ScheduleKind("1F1B", one_f_one_b, 1, StagePlacement.LOOP, False),
+    ScheduleKind("Interleaved1F1B", interleaved_1f1b, None, StagePlacement.LOOP, False),
+    ScheduleKind("LoopedBFS", looped_bfs, None, StagePlacement.LOOP, False),
+    ScheduleKind("InterleavedZeroBubble", interleaved_zero_bubble, None, StagePlacement.LOOP, True),
+    ScheduleKind("ZBH1", interleaved_zero_bubble, 1, StagePlacement.LOOP, True),
+    ScheduleKind("ZBVZeroBubble", zbv_zero_bubble, 2, StagePlacement.V, True),
+    ScheduleKind("DualPipeV", dual_pipe_v, 2, StagePlacement.V, True),
+)}
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """The registered schedule of that name, case-insensitively (as torch's get_schedule_class)."""
+    key = name.strip().lower()
+    if key not in SCHEDULES:
+        known = ", ".join(v.name for v in SCHEDULES.values())
+        raise DflopError(f"unknown pipeline schedule '{name}' (known: {known})")
+    return SCHEDULES[key]
 
 
 def canonical(name: str) -> str:
-    key = name.strip().lower()
-    if key not in SCHEDULES:
-        known = ", ".join(v[0] for v in SCHEDULES.values())
-        raise DflopError(f"unknown pipeline schedule '{name}' (known: {known})")
-    return SCHEDULES[key][0]
+    return schedule_kind(name).name
 
 
 def splits_backward(name: str) -> bool:
     """True for schedules with separate input- and weight-gradient actions."""
-    return canonical(name) in ("InterleavedZeroBubble", "ZBH1")
+    return schedule_kind(name).splits_backward
 
 
 def supports_virtual_stages(name: str) -> bool:
-    return SCHEDULES[canonical(name).lower()][2]
+    return schedule_kind(name).stages_per_rank is None
 
 
-def build(name: str, pp: int, m: int, v: int = 1) -> Program:
-    """The named schedule for ``pp`` ranks, ``m`` microbatches and ``v`` chunks per rank."""
-    display, builder, virtual = SCHEDULES[canonical(name).lower()]
+def placement(name: str) -> StagePlacement:
+    """How the schedule places its stages on ranks (loop, or V for ZBVZeroBubble and DualPipeV)."""
+    return schedule_kind(name).placement
+
+
+def stages_per_rank(name: str, virtual_stages: int | None = None) -> int:
+    """Stages each rank holds: the schedule's fixed number, else ``virtual_stages`` (default 1)."""
+    fixed = schedule_kind(name).stages_per_rank
+    return fixed if fixed is not None else (virtual_stages or 1)
+
+
+def parameter_copies(name: str) -> int:
+    """On how many ranks of one pipeline each parameter lives: 1 for every schedule here.
+
+    The DualPipe README's "Parameter per device: 2x" for DualPipeV compares with 1F1B at
+    the same number of stages: a V rank holds two of the 2p stages (``stages_per_rank`` is 2),
+    and the memory model already sums the parameters of the stages a rank holds, so nothing
+    is stored twice. Only bidirectional DualPipe (not a torch schedule) keeps every stage on
+    two ranks, i.e. two copies."""
+    schedule_kind(name)
+    return 1
+
+
+def build(name: str, pp: int, m: int, v: int | None = None) -> Program:
+    """The named schedule for ``pp`` ranks, ``m`` microbatches and ``v`` stages per rank
+    (default: the schedule's fixed number, else 1)."""
+    kind = schedule_kind(name)
+    v = stages_per_rank(name) if v is None else v
     if pp < 1 or m < 1 or v < 1:
-        raise DflopError(f"{display}: pp, microbatches and virtual stages must be at least 1")
-    if v > 1 and not virtual:
-        raise DflopError(f"{display} has one stage per rank; use Interleaved1F1B or "
-                         f"InterleavedZeroBubble for {v} virtual stages")
-    return builder(pp, m, v) if virtual else builder(pp, m)
+        raise DflopError(f"{kind.name}: pp, microbatches and virtual stages must be at least 1")
+    if kind.stages_per_rank is None:
+        return kind.builder(pp, m, v)
+    if v != kind.stages_per_rank:
+        if kind.stages_per_rank == 1:
+            raise DflopError(f"{kind.name} has one stage per rank; use Interleaved1F1B, InterleavedZeroBubble "
+                             f"or LoopedBFS for {v} virtual stages")
+        raise DflopError(f"{kind.name} runs exactly {kind.stages_per_rank} stages per rank (V placement), "
+                         f"got virtual_stages={v}")
+    return kind.builder(pp, m)

@@ -12,26 +12,30 @@ LLM stages behind it); the *bridge* from the last encoder stage to the first
 LLM stage connects replicas many-to-many, as the samples of each LLM bin were
 encoded by whichever encoder replicas held them. Colocated placement runs the
 encoder inside LLM stage 0.
+
+An overlapped step ``(F;B)OVERLAP_F_B`` becomes its sub-actions, one op each,
+back to back, marked as a pair (``overlap``); how long the pair takes is the
+cost layer's choice (:mod:`dflop.program.overlap`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from dflop.errors import DflopError
 from dflop.program.actions import Action, Kind, Program
 from dflop.program.check import check_program
 from dflop.program.schedules import build
-from dflop.specs.plan import Plan
+from dflop.specs.plan import Module, Plan
 
 
 @dataclass(frozen=True)
 class Group:
     index: int
-    module: str
-    """'encoder' or 'llm' (a colocated LLM stage 0 also carries the encoder)."""
+    module: Module
+    """The module of this pipeline rank (a colocated LLM stage 0 also carries the encoder)."""
     rank: int
     """Pipeline rank within its module."""
     replicas: int
@@ -54,6 +58,14 @@ class TemplateOp:
     """Ops of the same replica that must finish first (data dependencies)."""
     bridge: int
     """Op on the other side of the encoder-LLM bridge that must finish first (-1 if none)."""
+    overlap: int = -1
+    """The other op of the same OVERLAP_F_B step (-1 if none)."""
+
+    @property
+    def released_by(self) -> int:
+        """The op whose end makes this op's outputs available: a pair sends after both halves,
+        as torch runs it, so the first half's outputs wait for the second."""
+        return max(self.index, self.overlap)
 
 
 @dataclass(frozen=True)
@@ -73,10 +85,10 @@ class Template:
     def colocated(self) -> bool:
         return self.encoder_stages == 0
 
-    def module_stage(self, program_stage: int) -> tuple[str, int]:
+    def module_stage(self, program_stage: int) -> tuple[Module, int]:
         if program_stage < self.encoder_stages:
-            return "encoder", program_stage
-        return "llm", program_stage - self.encoder_stages
+            return Module.ENCODER, program_stage
+        return Module.LLM, program_stage - self.encoder_stages
 
 
 @lru_cache(maxsize=512)
@@ -89,7 +101,7 @@ def checked(name: str, pp: int, m: int, v: int) -> Program:
 
 def program_for(plan: Plan) -> tuple[Program, int]:
     """The plan's pipeline program and how many of its stages are encoder stages."""
-    if plan.placement == "colocated":
+    if plan.colocated:
         return checked(plan.schedule, plan.llm.pp, plan.microbatches, plan.virtual_stages), 0
     if plan.virtual_stages > 1:
         raise DflopError("virtual stages need colocated placement")
@@ -100,28 +112,32 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
     if program is None:
         program, encoder_stages = program_for(plan)
     else:
-        encoder_stages = 0 if plan.placement == "colocated" else plan.encoder.pp
+        encoder_stages = 0 if plan.colocated else plan.encoder.pp
         check_program(program)
     last_stage = program.stages - 1
     groups = []
     for rank in range(program.num_ranks):
         stages = program.stages_of(rank)
-        module = "encoder" if stages[0] < encoder_stages else "llm"
-        offset = 0 if module == "encoder" else encoder_stages
+        module = Module.ENCODER if stages[0] < encoder_stages else Module.LLM
+        offset = 0 if module is Module.ENCODER else encoder_stages
         mp = plan.module(module)
-        groups.append(Group(rank, module, rank - (0 if module == "encoder" else encoder_stages),
+        groups.append(Group(rank, module, rank - (0 if module is Module.ENCODER else encoder_stages),
                             mp.dp, mp.tp, tuple(s - offset for s in stages)))
 
     index: dict[Action, int] = {}
     flat: list[tuple[int, Action, int]] = []
+    pairs: list[tuple[int, int]] = []
     for rank, actions in enumerate(program.ranks):
         prev = -1
-        for a in actions:
-            if not a.kind.is_compute:
+        for action in actions:
+            if not action.kind.is_compute:
                 continue
-            index[a] = len(flat)
-            flat.append((rank, a, prev))
-            prev = index[a]
+            for a in action.parts:
+                index[a] = len(flat)
+                flat.append((rank, a, prev))
+                prev = index[a]
+            if action.sub_actions:
+                pairs.append((index[action.parts[0]], index[action.parts[1]]))
     split = {(a.stage, a.microbatch) for a in index if a.kind is Kind.I}
 
     def backward(stage: int, k: int) -> int:
@@ -148,6 +164,9 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
             deps.append(index[Action(s, Kind.I, k)])
         local = s - (0 if s < encoder_stages else encoder_stages)
         ops.append(TemplateOp(i, rank, a, local, prev, tuple(deps), bridge))
+    for first, second in pairs:
+        ops[first] = replace(ops[first], overlap=second)
+        ops[second] = replace(ops[second], overlap=first)
 
     last = [-1] * len(groups)
     for op in ops:
@@ -156,12 +175,17 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
                     _topological(ops), tuple(last))
 
 
+def _inputs(op: TemplateOp, ops: list[TemplateOp]) -> list[int]:
+    """The ops whose ends op waits for: its predecessor and, through released_by, its data."""
+    return [op.prev] + [ops[d].released_by for d in (op.bridge, *op.deps) if d >= 0]
+
+
 def _topological(ops: list[TemplateOp]) -> tuple[int, ...]:
     """Kahn's algorithm, smallest index first among ready ops (deterministic)."""
     succ: list[list[int]] = [[] for _ in ops]
     indegree = [0] * len(ops)
     for op in ops:
-        for d in (op.prev, op.bridge, *op.deps):
+        for d in _inputs(op, ops):
             if d >= 0:
                 succ[d].append(op.index)
                 indegree[op.index] += 1

@@ -7,6 +7,7 @@ in one message, so a user fixes a plan in one go rather than one error a run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Literal
 
 from dflop.errors import PlanError
@@ -14,8 +15,29 @@ from dflop.specs.hardware import ClusterSpec
 from dflop.specs.loading import check_numbers, require
 from dflop.specs.models import MLLMSpec
 
-Module = Literal["encoder", "llm"]
-MODULES: tuple[Module, Module] = ("encoder", "llm")
+class Module(str, Enum):
+    """The two modules of a multimodal model. A str enum, so YAML, JSON and traces carry plain names."""
+
+    ENCODER = "encoder"
+    LLM = "llm"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+MODULES: tuple[Module, Module] = (Module.ENCODER, Module.LLM)
+
+
+class Placement(str, Enum):
+    """Where the encoder runs relative to the LLM."""
+
+    DISAGGREGATED = "disaggregated"
+    """Encoder and LLM on separate GPU sets (DFLOP)."""
+    COLOCATED = "colocated"
+    """The encoder runs inside the first LLM pipeline stage (Megatron-style LLaVA training)."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,9 +77,7 @@ class Plan:
 
     encoder: ModulePlan
     llm: ModulePlan
-    placement: Literal["disaggregated", "colocated"] = "disaggregated"
-    """disaggregated: encoder and LLM on separate GPUs (DFLOP);
-    colocated: the encoder runs inside the first LLM pipeline stage (Megatron-style LLaVA)."""
+    placement: Placement = Placement.DISAGGREGATED
     microbatches: int
     """Microbatches per LLM data-parallel replica per step."""
     schedule: str = "1F1B"
@@ -70,13 +90,17 @@ class Plan:
 
     def __post_init__(self) -> None:
         check_numbers(self)
+        if not isinstance(self.placement, Placement):  # accept the plain name too
+            names = [p.value for p in Placement]
+            require(self.placement in names, f"placement: {self.placement!r} is not one of {', '.join(names)}")
+            object.__setattr__(self, "placement", Placement(self.placement))
         require(self.microbatches >= 1, f"microbatches: must be at least 1, got {self.microbatches}")
         require(self.virtual_stages >= 1,
                 f"virtual_stages: must be at least 1, got {self.virtual_stages}")
 
     @property
     def gpus(self) -> int:
-        if self.placement == "colocated":
+        if self.colocated:
             return self.llm.gpus
         return self.encoder.gpus + self.llm.gpus
 
@@ -85,8 +109,12 @@ class Plan:
         """(LLM data-parallel replica x microbatch) bins the scheduler fills each step."""
         return self.llm.dp * self.microbatches
 
+    @property
+    def colocated(self) -> bool:
+        return self.placement is Placement.COLOCATED
+
     def module(self, name: Module) -> ModulePlan:
-        return self.encoder if name == "encoder" else self.llm
+        return self.encoder if name == Module.ENCODER else self.llm
 
     def stages(self, name: Module) -> int:
         """Pipeline stages of a module, counting virtual stages."""
@@ -95,11 +123,11 @@ class Plan:
 
     def stage_layers(self, name: Module, model: MLLMSpec) -> tuple[int, ...]:
         plan = self.module(name)
-        layers = model.encoder.layers if name == "encoder" else model.llm.layers
+        layers = model.encoder.layers if name == Module.ENCODER else model.llm.layers
         return plan.layers_per_stage or even_split(layers, self.stages(name))
 
     def describe(self) -> str:
-        enc = "in LLM stage 0" if self.placement == "colocated" else self.encoder.describe()
+        enc = "in LLM stage 0" if self.colocated else self.encoder.describe()
         return (f"encoder {enc} | llm {self.llm.describe()} | {self.placement} | "
                 f"m={self.microbatches} {self.schedule}"
                 + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
@@ -111,7 +139,7 @@ class Plan:
         out: list[str] = []
         if self.gpus > cluster.gpus:
             out.append(f"the plan needs {self.gpus} GPUs but the cluster has {cluster.gpus}")
-        specs = {"encoder": model.encoder, "llm": model.llm}
+        specs = {Module.ENCODER: model.encoder, Module.LLM: model.llm}
         for name in MODULES:
             plan, spec = self.module(name), specs[name]
             if plan.tp > cluster.gpus_per_node or cluster.gpus_per_node % plan.tp:
@@ -135,7 +163,7 @@ class Plan:
                 elif sum(plan.layers_per_stage) != spec.layers:
                     out.append(f"{name} layers_per_stage sums to {sum(plan.layers_per_stage)}, "
                                f"{spec.name} has {spec.layers} layers")
-        if self.placement == "colocated":
+        if self.colocated:
             enc, llm = self.encoder, self.llm
             if enc.pp != 1 or enc.tp != llm.tp or enc.dp != llm.dp:
                 out.append("colocated placement runs the encoder inside the first LLM stage: "
@@ -161,25 +189,25 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class Placement:
+class GpuMap:
     """GPU ids of every TP group: ``groups[(module, pipeline_rank, replica)]``."""
 
-    groups: dict[tuple[str, int, int], tuple[int, ...]]
+    groups: dict[tuple[Module, int, int], tuple[int, ...]]
 
-    def gpus(self, module: str, rank: int, replica: int) -> tuple[int, ...]:
-        return self.groups[(module, rank, replica)]
+    def gpus(self, module: Module, rank: int, replica: int) -> tuple[int, ...]:
+        return self.groups[(Module(module), rank, replica)]
 
 
-def place(plan: Plan, cluster: ClusterSpec) -> Placement:
+def place(plan: Plan) -> GpuMap:
     """Assign GPUs in Megatron's tp-dp-pp order, the encoder's GPUs first.
 
     Tensor-parallel peers are neighbours (same node), data-parallel replicas
     next, pipeline stages furthest apart. With colocated placement the encoder
     shares the GPUs of LLM stage 0.
     """
-    groups: dict[tuple[str, int, int], tuple[int, ...]] = {}
+    groups: dict[tuple[Module, int, int], tuple[int, ...]] = {}
     base = 0
-    modules = ["llm"] if plan.placement == "colocated" else ["encoder", "llm"]
+    modules = [Module.LLM] if plan.colocated else [Module.ENCODER, Module.LLM]
     for name in modules:
         mp = plan.module(name)
         for stage in range(mp.pp):
@@ -187,15 +215,15 @@ def place(plan: Plan, cluster: ClusterSpec) -> Placement:
                 first = base + mp.tp * (replica + mp.dp * stage)
                 groups[(name, stage, replica)] = tuple(range(first, first + mp.tp))
         base += mp.gpus
-    if plan.placement == "colocated":
+    if plan.colocated:
         for replica in range(plan.llm.dp):
-            groups[("encoder", 0, replica)] = groups[("llm", 0, replica)]
-    return Placement(groups)
+            groups[(Module.ENCODER, 0, replica)] = groups[(Module.LLM, 0, replica)]
+    return GpuMap(groups)
 
 
 def placement_problems(plan: Plan, cluster: ClusterSpec) -> list[str]:
     out = []
-    for (name, stage, replica), gpus in place(plan, cluster).groups.items():
+    for (name, stage, replica), gpus in place(plan).groups.items():
         nodes = {cluster.node_of(g) for g in gpus}
         if len(nodes) > 1:
             out.append(f"{name} stage {stage} replica {replica} TP group spans nodes "

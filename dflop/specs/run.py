@@ -14,6 +14,7 @@ from typing import Literal
 
 import yaml
 
+from dflop.specs.execution import ExecutionSpec
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.limits import MAX_SAMPLES, MAX_SECONDS, MAX_STEPS
 from dflop.specs.loading import check_numbers, from_mapping, limit, load_yaml, require
@@ -66,6 +67,8 @@ class RunConfig:
     """A fixed plan; when absent the optimizer chooses one."""
     profiles: tuple[str, ...] = ()
     """Profile store folders (written by `dflop profile model`), used besides the shipped profiles."""
+    execution: ExecutionSpec = field(default_factory=ExecutionSpec)
+    """How the torch backend runs the plan (device, precision, optimizer, checkpoints)."""
 
     def __post_init__(self) -> None:
         check_numbers(self)
@@ -75,9 +78,14 @@ class RunConfig:
         return MLLMSpec(encoder=self.encoder, llm=self.llm)
 
 
-def load_run_config(path: str | Path | None = None) -> RunConfig:
-    """The run config in ``path``, or the embedded default."""
+DEFAULTS = {"sim": "default_run.yaml", "torch": "default_torch_run.yaml"}
+"""The embedded config of each backend: a simulated H100 cluster; tiny real models on local CPUs."""
+
+
+def load_run_config(path: str | Path | None = None, backend: str = "sim") -> RunConfig:
+    """The run config in ``path``, or the embedded default of ``backend``."""
     if path is None:
-        text = resources.files("dflop.specs").joinpath("default_run.yaml").read_text()
-        return from_mapping(RunConfig, yaml.safe_load(text), "default_run.yaml:")
+        name = DEFAULTS[backend]
+        text = resources.files("dflop.specs").joinpath(name).read_text()
+        return from_mapping(RunConfig, yaml.safe_load(text), f"{name}:")
     return from_mapping(RunConfig, load_yaml(path), f"{path}:")

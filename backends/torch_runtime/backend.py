@@ -1,0 +1,175 @@
+"""The torch backend: the plan's step graphs run on real processes, timed into the one trace format.
+
+On one machine it starts the plan's ranks itself with torch's elastic launcher
+(one process per GPU, or per CPU "GPU" on gloo; the rendezvous port chosen by
+the OS); under ``torchrun`` every rank is already running and the same code
+runs in place. Each rank executes its worker's nodes of every step graph
+(``worker.py``), and the launcher merges what the ranks measured into a trace
+recorded with the same recorder, names and arguments as the simulator's, next
+to the simulator's prediction for the very same steps. A rank that raises or
+dies stops every rank (the elastic agent tears the group down) and the error
+names the rank, the step and the node it was at.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from dflop.backends.base import BackendResult, Observer, ScheduledBatch, StepTimes
+from dflop.backends.sim import SimBackend
+from dflop.errors import DflopError
+from dflop.program.steps import StepRunner
+from dflop.trace.chrome import COMPUTE, TraceBuilder
+from dflop.trace.metrics import metrics
+from dflop.trace.record import record_step, worker_records
+
+from dflop.backends.torch_runtime.progress import read_progress
+from dflop.backends.torch_runtime.worker import Payload, RankResult, TorchOptions, rank_entry, run_rank
+
+
+class RankFailed(DflopError):
+    """A rank of a torch run failed or died; every rank was stopped. ``details`` holds the failing
+    rank's traceback and node list (shown with ``--debug``)."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+@dataclass
+class TorchBackend:
+    name = "torch"
+    options: TorchOptions = field(default_factory=TorchOptions)
+    keep_parameters: bool = False
+    """Return every rank's final parameters (tests compare them with a reference run)."""
+    predict: bool = True
+    """Also simulate the same steps, for ``predicted_step_time_s`` next to the measured time."""
+
+    def run(self, runner: StepRunner, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
+            meta: dict[str, Any] | None = None) -> BackendResult:
+        with tempfile.TemporaryDirectory(prefix="dflop-progress-") as progress:
+            opts = self.options if self.options.progress_dir else _with(self.options, progress_dir=progress)
+            payload = Payload(runner.plan, runner.system.model, [s.batch for s in steps],
+                              [np.asarray(s.assignment) for s in steps], opts)
+            results = self._launch(payload, Path(opts.progress_dir))
+        if results is None:  # a rank other than 0 under torchrun: rank 0 reports
+            return BackendResult({}, metrics({"traceEvents": []}), [], {"rank": int(os.environ["RANK"])})
+        return self._report(runner, steps, results, observe, meta)
+
+    # ---- launching --------------------------------------------------------------------------------
+
+    def _launch(self, payload: Payload, progress: Path) -> dict[int, RankResult] | None:
+        if under_torchrun():
+            import torch.distributed as dist
+
+            mine = run_rank(payload, self.keep_parameters)
+            gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(mine, gathered, dst=0)
+            return {r.rank: r for r in gathered} if gathered is not None else None
+        return self._spawn(payload, progress)
+
+    def _spawn(self, payload: Payload, progress: Path) -> dict[int, RankResult]:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        world = payload.plan.gpus
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"dflop-{uuid.uuid4().hex[:8]}",
+                              rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                              monitor_interval=0.1, start_method="spawn")
+        with _quiet_launcher():
+            try:
+                return elastic_launch(config, rank_entry)(payload, self.keep_parameters)
+            except ChildFailedError as exc:
+                raise RankFailed(*_failure_message(exc, progress)) from None
+
+    # ---- reporting --------------------------------------------------------------------------------
+
+    def _report(self, runner: StepRunner, steps: Sequence[ScheduledBatch], results: dict[int, RankResult],
+                observe: Observer | None, meta: dict[str, Any] | None) -> BackendResult:
+        from dflop.sim.simulate import trace_meta
+
+        trace = TraceBuilder(meta=trace_meta(runner, backend="torch", device=str(self.options.device), **(meta or {})))
+        leads = {r.worker: r for r in results.values() if r.tp_index == 0}
+        first = min(r.start_step for r in results.values())
+        offset, per_step = 0, []
+        for i in range(first, len(steps)):
+            step = runner.step(i, steps[i].batch, steps[i].assignment)
+            graph, costs = step.graph, step.costs
+            if i == first:
+                trace.set_workers(worker_records(graph, costs))
+            start, end = np.zeros(len(graph), dtype=np.int64), np.zeros(len(graph), dtype=np.int64)
+            for w, lead in leads.items():
+                for n, (a, b) in lead.steps[i - first]["nodes"].items():
+                    start[n], end[n] = a, b
+            record_step(trace, graph, start, end, step=i, offset_ns=offset, costs=costs)
+            for w, lead in leads.items():
+                a, b = lead.steps[i - first]["optimizer"]
+                trace.op(w, COMPUTE, "OPTIMIZER", "optimizer", a + offset, b + offset, {"step": i})
+            step_ns = max(r.steps[i - first]["end"] for r in results.values())
+            compute_end = int(max(end[k] for k in graph.compute_nodes()))
+            trace.step(i, offset, offset + compute_end, offset + step_ns, samples=len(steps[i].batch))
+            loss = sum(r.steps[i - first]["loss"] for r in results.values() if r.tp_index == 0)
+            per_step.append({"step": i, "step_s": step_ns / 1e9, "compute_s": compute_end / 1e9, "loss": loss})
+            if observe is not None:
+                observe(StepTimes(step, start, end))
+            offset += step_ns
+        doc = trace.document()
+        extra: dict[str, Any] = {"losses": [s["loss"] for s in per_step], "first_step": first}
+        if self.predict:
+            predicted = SimBackend(memory=False).run(runner, list(steps)[first:])
+            extra["predicted_step_time_s"] = [s["step_s"] for s in predicted.steps]
+            extra["predicted_trace"] = predicted.trace
+        if self.keep_parameters:
+            extra["parameters"] = {name: t for r in results.values() for name, t in r.parameters.items()}
+        return BackendResult(doc, metrics(doc), per_step, extra)
+
+
+@contextmanager
+def _quiet_launcher() -> Iterator[None]:
+    """The elastic agent logs every child's traceback; dflop reports a failure in one line instead
+    (and the traceback under --debug)."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _with(options: TorchOptions, **changes: Any) -> TorchOptions:
+    from dataclasses import replace
+
+    return replace(options, **changes)
+
+
+def _failure_message(exc: Any, progress: Path) -> tuple[str, str]:
+    """(one line: which rank failed first and how, where it was; the failing rank's traceback)."""
+    rank, failure = min(exc.failures.items())
+    message, details = failure.message, ""
+    if isinstance(message, dict):
+        details = str(message.get("extraInfo", {}).get("py_callstack", ""))
+        message = message.get("message", "")
+    message = str(message or "").strip()
+    if " failed at step " in message:  # an ActionFailed: it names rank, step and node itself
+        return message.split(": ", 1)[1] if message.startswith("ActionFailed") else message, details
+    where = read_progress(progress, rank)
+    at = f" at step {where[0]}, node {where[1]}" if where else ""
+    line = (f"rank {rank} died{at} (exit code {failure.exitcode}); every other rank was stopped"
+            + (f": {message.splitlines()[0]}" if message and "To enable traceback" not in message else ""))
+    return line, details

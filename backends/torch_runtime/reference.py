@@ -1,0 +1,60 @@
+"""The sequential reference: the whole model in one process, the whole global batch at once.
+
+A distributed run of any plan must end with the parameters this produces from
+the same seed and the same steps (up to floating-point reassociation): same
+initial weights (by name), same synthetic inputs (by sample id), same loss (the
+sum over every target token divided by their number), same AdamW.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dflop.models.llm import pack
+from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import Module
+from dflop.workload.sample import SampleTable
+
+from dflop.backends.torch_runtime.model import build_stage, pack_sequence, sample_inputs
+from dflop.backends.torch_runtime.shapes import target_tokens
+from dflop.backends.torch_runtime.worker import TorchOptions
+
+
+def reference_training(model: MLLMSpec, batches: list[SampleTable], options: TorchOptions) -> tuple[dict, list[float]]:
+    """(parameters by whole-model name, loss per step) after training on ``batches`` in one process."""
+    dtype = getattr(torch, options.dtype.value)
+    encoder = build_stage(model, Module.ENCODER, 0, (model.encoder.layers,), options.seed).to(dtype)
+    llm = build_stage(model, Module.LLM, 0, (model.llm.layers,), options.seed).to(dtype)
+    params = list(encoder.parameters()) + list(llm.parameters())
+    optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
+    losses = []
+    for batch in batches:
+        rows = np.arange(len(batch))
+        pixels, text = [], []
+        for i in rows:
+            p, tok = sample_inputs(options.seed, str(batch.ids[i]), int(batch.tiles[i]), int(batch.text_tokens[i]),
+                                   model.encoder.image_size, model.llm.vocab)
+            if len(p):
+                pixels.append(p)
+            text.append(tok)
+        has = batch.tiles > 0
+        image = encoder(torch.cat(pixels).to(dtype), [int(t) for t in batch.tiles[has]],
+                        [int(m) for m in batch.image_tokens[has]]) if pixels else None
+        seq = pack_sequence([int(m) for m in batch.image_tokens], text)
+        positions, cu = pack(seq.lengths)
+        loss = llm(image, seq, positions, cu, text=torch.cat(text), loss_scale=1.0 / max(target_tokens(batch), 1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    named = {f"encoder.{n}": p.detach().clone() for n, p in encoder.named_parameters()}
+    named.update({f"llm.{n}": p.detach().clone() for n, p in llm.named_parameters()})
+    return named, losses
+
+
+def whole_model_name(name: str, tied: bool) -> str:
+    """``llm.s1.blocks.3.q.weight`` -> ``llm.blocks.3.q.weight``; a tied head is the embedding."""
+    module, _, rest = name.split(".", 2)
+    out = f"{module}.{rest}"
+    return "llm.embed.weight" if tied and out == "llm.head.weight" else out

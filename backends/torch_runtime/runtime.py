@@ -1,0 +1,440 @@
+"""The interpreter of one worker's list in a step graph, with real tensors.
+
+One handler per node kind, as torch's ``_PipelineScheduleRuntime._step_microbatches``
+runs its lowered actions: a forward feeds its stage the microbatch's inputs
+(synthetic pixels or tokens, a local stage's output, or what a receive
+brought), keeps what the backward needs and hands its output on; a backward
+runs autograd from the output's gradient (whole, or split into input and weight
+gradients for zero-bubble schedules with torch's own ``stage_backward_input`` /
+``stage_backward_weight``); sends and receives are torch's asynchronous
+point-to-point (a receive is waited for just before its consumer, sends at the
+end of the step); the bridge moves each sample's image tokens between the
+encoder replica that encoded it and the LLM replica that owns it; REDUCE_GRAD
+sums gradients over data parallelism.
+
+Every node is timed (monotonic nanoseconds on CPU, CUDA events on GPU). A
+failure names the rank, the step and the node, and shows the worker's list
+with the failing node marked (what torch's ``_format_pipeline_order`` does).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dflop.errors import DflopError
+from dflop.models.llm import pack
+from dflop.program.actions import Kind
+from dflop.program.stepgraph import Node, StepGraph
+from dflop.specs.plan import Module
+
+from dflop.backends.torch_runtime.model import Sequence, pack_sequence, sample_inputs
+from dflop.backends.torch_runtime.parallel import RankLayout, all_reduce_grads
+from dflop.backends.torch_runtime.shapes import StepData
+
+
+class ActionFailed(DflopError):
+    """One node of the step graph failed on one rank; the message names both."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+class Clock:
+    """Node start and end times: monotonic nanoseconds, or CUDA events read after the step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> int:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.monotonic_ns())
+        return len(self.marks) - 1
+
+    def resolve(self) -> list[int]:
+        """Every mark in ns since the first one (the step's start)."""
+        if not self.cuda:
+            return [m - self.marks[0] for m in self.marks]
+        torch.cuda.synchronize()
+        first = self.marks[0]
+        return [int(first.elapsed_time(m) * 1e6) for m in self.marks]
+
+
+@dataclass
+class Worker:
+    """What one rank holds across steps: its stage modules, its layout, its groups."""
+
+    graph_worker: int
+    layout: RankLayout
+    stages: dict[int, nn.Module]
+    """Program stage -> module."""
+    colocated_encoder: nn.Module | None
+    dp_group: Any
+    device: torch.device
+    seed: int
+    image_size: int
+    vocab: int
+    zero: int
+
+    def parameters(self) -> list[nn.Parameter]:
+        mods = list(self.stages.values()) + ([self.colocated_encoder] if self.colocated_encoder is not None else [])
+        seen: dict[int, nn.Parameter] = {}
+        for m in mods:
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+
+@dataclass
+class StepRun:
+    """One step on one rank: walk the worker's nodes, keeping what forwards leave for backwards."""
+
+    w: Worker
+    graph: StepGraph
+    data: StepData
+    step: int
+    clock: Clock
+    saved: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    grads: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+    """Gradient of a stage's input (what its backward sends upstream)."""
+    param_groups: dict[tuple[int, int], list] = field(default_factory=dict)
+    received: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    """Receive node -> (work, buffer)."""
+    bridged: dict[tuple[int, int], dict[int, torch.Tensor]] = field(default_factory=dict)
+    """(stage, microbatch) -> peer worker -> the image tokens received from it (leaves)."""
+    sends: list[Any] = field(default_factory=list)
+    recv_marks: dict[int, int] = field(default_factory=dict)
+    """Receive node -> the mark of its posting (its end is marked when its consumer waits)."""
+    loss: float = 0.0
+    times: list[tuple[int, int, int]] = field(default_factory=list)
+    """(node, start mark, end mark)."""
+    dtype: torch.dtype = torch.float32
+    hidden: dict[Module, int] = field(default_factory=dict)
+    """Hidden size of each module (what crosses a stage boundary)."""
+    patches: int = 0
+    """Encoder sequence length of one tile."""
+    progress: Any = None
+    """Where this rank writes the node it is at (``ProgressFile``), to be read if it dies."""
+    fail: tuple[str, str] = ("", "")
+    """(node label, how: raise or exit): fail there (tests of failure handling)."""
+    cache: dict = field(default_factory=dict)
+    """Inputs made by ``prepare`` before the step."""
+
+    @property
+    def t(self):  # noqa: ANN201 - Template
+        return self.graph.template
+
+    def replica(self, worker: int | None = None) -> int:
+        return self.graph.workers[self.w.graph_worker if worker is None else worker].replica
+
+    def run(self) -> None:
+        handlers: dict[Kind, Callable[[int, Node], None]] = {
+            Kind.F: self.forward, Kind.B: self.backward, Kind.I: self.backward, Kind.W: self.weight,
+            Kind.REDUCE_GRAD: self.reduce_grad, Kind.UNSHARD: self.sharded, Kind.RESHARD: self.sharded}
+        for n in self.graph.order[self.w.graph_worker]:
+            node = self.graph.nodes[n]
+            if self.progress is not None:
+                self.progress.write(self.step, self.graph.labels[n])
+            if self.fail[0] == self.graph.labels[n]:
+                self.inject_failure()
+            try:
+                if node.kind.is_send:
+                    start = self.clock.mark()
+                    self.send(n, node)
+                elif node.kind.is_recv:
+                    self.recv_marks[n] = self.clock.mark()
+                    self.post_receive(n, node)
+                    continue  # its end is marked when its consumer waits for it
+                else:
+                    self.wait_inputs(n)
+                    start = self.clock.mark()
+                    handlers[node.kind](n, node)
+                self.times.append((n, start, self.clock.mark()))
+            except ActionFailed:
+                raise
+            except Exception as exc:  # noqa: BLE001 - named, then re-raised for the launcher
+                raise self.failure(n, exc) from exc
+        for work in self.sends:
+            work.wait()
+
+    def inject_failure(self) -> None:
+        if self.fail[1] == "exit":
+            os._exit(17)  # dies without a word, as a killed process does
+        raise RuntimeError("injected failure")
+
+    def failure(self, n: int, exc: BaseException) -> ActionFailed:
+        label = self.graph.labels[n]
+        ids = self.graph.order[self.w.graph_worker]
+        lines = [f"{'>>' if i == n else '  '} {self.graph.labels[i]}" for i in ids]
+        what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in what.lower():
+            what = f"out of memory ({self.shape_of(self.graph.nodes[n])}): {what}"
+        return ActionFailed(f"rank {self.w.layout.rank} (w{self.w.graph_worker}) failed at step {self.step}, "
+                            f"node {label}: {type(exc).__name__}: {what}", details="\n".join(lines))
+
+    def shape_of(self, node: Node) -> str:
+        if node.microbatch < 0:
+            return "no microbatch"
+        module, stage = self.t.module_stage(node.stage)
+        rows = self.rows(module, node.microbatch)
+        return (f"{module} stage {stage}, microbatch {node.microbatch}: {len(rows)} samples, "
+                f"{int(self.data.batch.tiles[rows].sum())} tiles, {int(self.data.batch.llm_tokens[rows].sum())} tokens")
+
+    # ---- shapes -----------------------------------------------------------------------------------
+
+    def rows(self, module: Module, k: int) -> np.ndarray:
+        if module is Module.LLM:
+            return self.data.llm_rows(self.replica(), k)
+        return self.data.encoder_rows(self.replica(), k)
+
+    def prepare(self) -> None:
+        """Make every input this worker's forwards read (pixels, tokens, packed positions) before the
+        step starts, as a data loader would: generating them is not the step's work."""
+        for n in self.graph.order[self.w.graph_worker]:
+            node = self.graph.nodes[n]
+            if node.kind is not Kind.F:
+                continue
+            module, stage = self.t.module_stage(node.stage)
+            rows = self.rows(module, node.microbatch)
+            if module is Module.LLM:
+                self.sequence(rows)
+                if stage == 0 and self.w.colocated_encoder is not None:
+                    self.inputs_of(rows[self.data.batch.tiles[rows] > 0], pixels=True)
+            elif stage == 0:
+                self.inputs_of(rows, pixels=True)
+
+    def inputs_of(self, rows: np.ndarray, pixels: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        key = ("inputs", rows.tobytes(), pixels)
+        if key not in self.cache:
+            self.cache[key] = self._make_inputs(rows, pixels)
+        return self.cache[key]
+
+    def _make_inputs(self, rows: np.ndarray, pixels: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        b = self.data.batch
+        pix, text = [], []
+        for i in rows:
+            p, tok = sample_inputs(self.w.seed, str(b.ids[i]), int(b.tiles[i]), int(b.text_tokens[i]),
+                                   self.w.image_size, self.w.vocab, need_pixels=pixels)
+            if p is not None and len(p):
+                pix.append(p)
+            text.append(tok)
+        dev = self.w.device
+        if not pixels:
+            return None, text
+        shape = (0, 3, self.w.image_size, self.w.image_size)
+        return (torch.cat(pix) if pix else torch.zeros(shape)).to(device=dev, dtype=self.dtype), text
+
+    def sequence(self, rows: np.ndarray) -> tuple[Sequence, torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = ("sequence", rows.tobytes())
+        if key not in self.cache:
+            self.cache[key] = self._make_sequence(rows)
+        return self.cache[key]
+
+    def _make_sequence(self, rows: np.ndarray) -> tuple[Sequence, torch.Tensor, torch.Tensor, torch.Tensor]:
+        _, text = self.inputs_of(rows, pixels=False)
+        seq = pack_sequence(self.data.image_tokens(rows), text)
+        positions, cu = pack(seq.lengths, device=self.w.device) if seq.lengths else (
+            torch.zeros(0, dtype=torch.long, device=self.w.device), torch.zeros(1, dtype=torch.int32,
+                                                                                  device=self.w.device))
+        tokens = torch.cat(text).to(self.w.device) if text else torch.zeros(0, dtype=torch.long, device=self.w.device)
+        return seq, positions, cu, tokens
+
+    def hidden_shape(self, module: Module, stage: int, k: int, replica: int) -> tuple[int, ...]:
+        """Shape of the activation entering module-local ``stage`` (> 0) of ``replica`` in microbatch k."""
+        if module is Module.LLM:
+            rows = self.data.llm_rows(replica, k)
+            return (int(self.data.batch.llm_tokens[rows].sum()), self.hidden[Module.LLM])
+        rows = self.data.encoder_rows(replica, k)
+        return (int(self.data.batch.tiles[rows].sum()), self.patches, self.hidden[Module.ENCODER])
+
+    # ---- communication ----------------------------------------------------------------------------
+
+    def peer_tensor_shape(self, node: Node) -> tuple[int, ...]:
+        """Shape of what a receive brings (the sender computes the same from the same schedule)."""
+        module, stage = self.t.module_stage(node.stage)
+        k = node.microbatch
+        if node.kind in (Kind.BRIDGE_RECV_F, Kind.BRIDGE_RECV_B):
+            j, r = ((self.replica(node.peer), self.replica()) if node.kind is Kind.BRIDGE_RECV_F
+                    else (self.replica(), self.replica(node.peer)))
+            rows = self.data.bridge_rows(j, r, k)
+            return (int(self.data.batch.image_tokens[rows].sum()), self.hidden[Module.LLM])
+        if node.kind is Kind.RECV_F:
+            return self.hidden_shape(module, stage, k, self.replica())
+        return self.hidden_shape(module, stage + 1, k, self.replica())  # RECV_B: gradient of our output
+
+    def post_receive(self, n: int, node: Node) -> None:
+        buf = torch.empty(self.peer_tensor_shape(node), device=self.w.device, dtype=self.dtype)
+        src = self.w.layout.recv_from(node.peer)
+        self.received[n] = (dist.irecv(buf, src=src) if buf.numel() else None, buf)
+
+    def wait_inputs(self, n: int) -> None:
+        """Wait for the receives this node reads, marking each one's end."""
+        for d in self.graph.inputs[n]:
+            if d in self.received:
+                work, _ = self.received[d]
+                if work is not None:
+                    work.wait()
+                self.times.append((d, self.recv_marks.pop(d), self.clock.mark()))
+
+    def received_tensor(self, d: int) -> torch.Tensor:
+        return self.received.pop(d)[1]
+
+    def send(self, n: int, node: Node) -> None:
+        tensor = self.outgoing(node).detach().contiguous()
+        if tensor.numel():
+            for dst in self.w.layout.send_to(node.peer):
+                self.sends.append(dist.isend(tensor, dst=dst))
+
+    def outgoing(self, node: Node) -> torch.Tensor:
+        s, k = node.stage, node.microbatch
+        if node.kind is Kind.SEND_F:
+            return self.outputs[(s, k)]
+        if node.kind is Kind.SEND_B:
+            return self.grads[(s, k)]
+        if node.kind is Kind.BRIDGE_SEND_F:  # the image tokens of the samples the peer owns
+            r = self.replica(node.peer)
+            rows = self.data.bridge_rows(self.replica(), r, k)
+            return self.outputs[(s, k)].index_select(0, self.token_rows(self.rows(Module.ENCODER, k), rows))
+        # BRIDGE_SEND_B: the gradient of the image tokens that peer encoder replica sent us
+        return self.bridged[(s, k)][node.peer].grad
+
+    def token_rows(self, layout_rows: np.ndarray, subset: np.ndarray) -> torch.Tensor:
+        """Positions, in a tensor of ``layout_rows``' image tokens laid end to end, of ``subset``'s tokens."""
+        counts = self.data.batch.image_tokens[layout_rows]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        where = {int(r): i for i, r in enumerate(layout_rows)}
+        parts = [np.arange(starts[where[int(r)]], starts[where[int(r)]] + counts[where[int(r)]]) for r in subset]
+        idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return torch.from_numpy(idx.astype(np.int64)).to(self.w.device)
+
+    # ---- compute ----------------------------------------------------------------------------------
+
+    def stage_input(self, n: int, module: Module, s: int, k: int) -> torch.Tensor:
+        """Input of a non-first stage: the local previous stage's output, or what a receive brought."""
+        if (s - 1, k) in self.outputs and (s - 1) in self.w.stages:
+            x = self.outputs[(s - 1, k)].detach()
+        else:
+            recv = next(d for d in self.graph.inputs[n] if self.graph.nodes[d].kind is Kind.RECV_F)
+            x = self.received_tensor(recv)
+        return x.requires_grad_(x.is_floating_point())
+
+    def image_tokens(self, n: int, s: int, k: int, rows: np.ndarray) -> tuple[torch.Tensor | None, list]:
+        """The bin's image tokens, in bin order: encoded here (colocated) or brought by the bridge."""
+        if self.w.colocated_encoder is not None:
+            enc_rows = rows[self.data.batch.tiles[rows] > 0]
+            if not len(enc_rows) and self.w.zero < 2:  # no images: nothing to encode (with FSDP every
+                return None, []                         # replica still runs it: its gathers are collective)
+            pixels, _ = self.inputs_of(enc_rows, pixels=True)
+            return self.w.colocated_encoder(pixels, self.data.tiles(enc_rows), self.data.image_tokens(enc_rows)), []
+        total = int(self.data.batch.image_tokens[rows].sum())
+        image = torch.zeros(total, self.hidden[Module.LLM], device=self.w.device, dtype=self.dtype)
+        leaves = {}
+        for d in self.graph.inputs[n]:
+            node = self.graph.nodes[d]
+            if node.kind is Kind.BRIDGE_RECV_F:
+                msg = self.received_tensor(d).requires_grad_(True)
+                leaves[node.peer] = msg
+                sent = self.data.bridge_rows(self.replica(node.peer), self.replica(), k)
+                image = image.index_copy(0, self.token_rows(rows, sent), msg)
+        self.bridged[(s, k)] = leaves
+        return image, list(leaves.values())
+
+    def forward(self, n: int, node: Node) -> None:
+        s, k = node.stage, node.microbatch
+        module, local_stage = self.t.module_stage(s)
+        stage = self.w.stages[s]
+        rows = self.rows(module, k)
+        if module is Module.LLM:
+            seq, positions, cu, tokens = self.sequence(rows)
+            if local_stage == 0:
+                x, inputs = self.image_tokens(n, s, k, rows)
+                out = stage(x, seq, positions, cu, text=tokens, loss_scale=1.0 / max(self.data.targets, 1))
+            else:
+                x = self.stage_input(n, module, s, k)
+                inputs = [x]
+                out = stage(x, seq, positions, cu, loss_scale=1.0 / max(self.data.targets, 1))
+            if stage.last:
+                self.loss += float(out.detach())
+        else:
+            if local_stage == 0:
+                x, _ = self.inputs_of(rows, pixels=True)
+                inputs = []
+            else:
+                x = self.stage_input(n, module, s, k)
+                inputs = [x]
+            out = stage(x, self.data.tiles(rows), self.data.image_tokens(rows))
+        self.saved[(s, k)] = (inputs, out)
+        self.outputs[(s, k)] = out
+
+    def output_grad(self, n: int, s: int, k: int, out: torch.Tensor) -> torch.Tensor | None:
+        """Gradient of a stage's output: none for the loss; the local next stage's input gradient; or
+        what the receives brought (the bridge assembles one per LLM replica)."""
+        if out.dim() == 0:
+            return None
+        if (s + 1, k) in self.grads and (s + 1) in self.w.stages:
+            return self.grads[(s + 1, k)]
+        grad = None
+        for d in self.graph.inputs[n]:
+            node = self.graph.nodes[d]
+            if node.kind is Kind.RECV_B:
+                return self.received_tensor(d)
+            if node.kind is Kind.BRIDGE_RECV_B:
+                if grad is None:
+                    grad = torch.zeros_like(out)
+                sent = self.data.bridge_rows(self.replica(), self.replica(node.peer), k)
+                grad = grad.index_copy(0, self.token_rows(self.rows(Module.ENCODER, k), sent), self.received_tensor(d))
+        return grad if grad is not None else torch.zeros_like(out)
+
+    def backward(self, n: int, node: Node) -> None:
+        from torch.distributed.pipelining._backward import stage_backward_input
+
+        s, k = node.stage, node.microbatch
+        inputs, out = self.saved[(s, k)]
+        grad = self.output_grad(n, s, k, out)
+        if node.kind is Kind.B:
+            if out.requires_grad:
+                torch.autograd.backward(out, grad_tensors=grad)
+            self.saved.pop((s, k))
+        elif not inputs:  # as torch does: nothing to send upstream, so W runs the whole backward
+            self.param_groups[(s, k)] = (None, grad)
+        else:
+            params = [p for p in self.w.stages[s].parameters() if p.requires_grad]
+            _, groups = stage_backward_input([out], None if grad is None else [grad], inputs, iter(params))
+            self.param_groups[(s, k)] = (params, groups)
+        if inputs:
+            self.grads[(s, k)] = inputs[0].grad
+        self.outputs.pop((s, k), None)
+
+    def weight(self, n: int, node: Node) -> None:
+        from torch.distributed.pipelining._backward import stage_backward_weight
+
+        params, groups = self.param_groups.pop((node.stage, node.microbatch))
+        _, out = self.saved.pop((node.stage, node.microbatch))
+        if params is None:  # a first stage: its deferred whole backward (``groups`` is the output's grad)
+            if out.requires_grad:
+                torch.autograd.backward(out, grad_tensors=groups)
+        else:
+            stage_backward_weight(iter(params), groups)
+
+    def reduce_grad(self, n: int, node: Node) -> None:
+        if self.w.zero < 2:  # ZeRO-2/3 run as FSDP2, which reduce-scatters in its own backward hooks
+            all_reduce_grads(self.w.parameters(), self.w.dp_group)
+
+    def sharded(self, n: int, node: Node) -> None:
+        """FSDP2 gathers a unit's weights in its forward and backward hooks (prefetching the next);
+        the node marks where the plan expects the exposed gather."""
+

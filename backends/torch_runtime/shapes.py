@@ -1,0 +1,78 @@
+"""What every rank derives from the step schedule alone: which samples each bin holds and in
+which order, hence the shape of every tensor it sends or receives.
+
+No rank asks another for shapes: they all hold the same schedule (the global
+batch's shapes and every sample's bin), and the same routing rule decides which
+encoder replica encodes which sample. So a receive is posted with the exact
+shape of what is coming, microbatches of every size included, with no padding
+and no metadata round trip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from dflop.program.routing import encoder_replicas
+from dflop.specs.plan import Plan
+from dflop.workload.sample import SampleTable
+
+
+@dataclass
+class StepData:
+    plan: Plan
+    batch: SampleTable
+    assignment: np.ndarray
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def m(self) -> int:
+        return self.plan.microbatches
+
+    @cached_property
+    def encoder_replica(self) -> np.ndarray:
+        if self.plan.colocated:
+            return self.assignment // self.m
+        return encoder_replicas(self.batch.tiles, self.assignment, self.m, self.plan.encoder.dp)
+
+    def llm_rows(self, r: int, k: int) -> np.ndarray:
+        """Samples of LLM replica r's microbatch k, in batch order."""
+        return np.flatnonzero(self.assignment == r * self.m + k)
+
+    def encoder_rows(self, j: int, k: int) -> np.ndarray:
+        """Samples with tiles that encoder replica j encodes in microbatch k: its contiguous chunk, in
+        (LLM replica, batch) order."""
+        key = ("enc", j, k)
+        if key not in self._cache:
+            rows = np.flatnonzero((self.encoder_replica == j) & (self.assignment % self.m == k)
+                                  & (self.batch.tiles > 0))
+            self._cache[key] = rows[np.lexsort((rows, self.assignment[rows] // self.m))]
+        return self._cache[key]
+
+    def bridge_rows(self, j: int, r: int, k: int) -> np.ndarray:
+        """Samples with images that encoder replica j sends to LLM replica r in microbatch k."""
+        rows = self.encoder_rows(j, k)
+        return rows[(self.assignment[rows] // self.m == r) & (self.batch.image_tokens[rows] > 0)]
+
+    def tiles(self, rows: np.ndarray) -> list[int]:
+        return [int(x) for x in self.batch.tiles[rows]]
+
+    def image_tokens(self, rows: np.ndarray) -> list[int]:
+        return [int(x) for x in self.batch.image_tokens[rows]]
+
+    def text_tokens(self, rows: np.ndarray) -> list[int]:
+        return [int(x) for x in self.batch.text_tokens[rows]]
+
+    @cached_property
+    def targets(self) -> int:
+        return target_tokens(self.batch)
+
+
+def target_tokens(batch: SampleTable) -> int:
+    """Target tokens of a global batch: every text token, but a sample's first one when it has no
+    image to predict it from. The loss is summed and divided by this, so every token weighs the same
+    whatever bin it landed in."""
+    text, image = batch.text_tokens, batch.image_tokens
+    return int(np.sum(np.where(image > 0, text, np.maximum(text - 1, 0))))

@@ -1,0 +1,226 @@
+"""One torch rank's whole run: join the process group, build its stages, then execute every step's
+graph and the optimizer step, checkpointing every K steps.
+
+Every rank lowers each step's graph itself from the step's schedule (the same
+deterministic function the simulator uses), so nothing but the schedules ever
+crosses from the launcher to the ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dflop.program.routing import step_routes
+from dflop.program.stepgraph import build_workers, lower
+from dflop.program.template import Template, build_template
+from dflop.specs.execution import Device, ExecutionSpec
+from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import Module, Plan, place
+from dflop.workload.sample import SampleTable
+
+from dflop.backends.torch_runtime import checkpoint
+from dflop.backends.torch_runtime.model import build_stage
+from dflop.backends.torch_runtime.progress import ProgressFile
+from dflop.backends.torch_runtime.parallel import (Groups, RankLayout, fully_shard_stage, make_optimizer,
+                                                   tensor_parallel)
+from dflop.backends.torch_runtime.runtime import Clock, StepRun, Worker
+from dflop.backends.torch_runtime.shapes import StepData
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchOptions(ExecutionSpec):
+    """The execution spec of the run config, and what the launcher adds for this run."""
+
+    seed: int = 0
+    """Initial weights and synthetic inputs."""
+    checkpoint_dir: str = ""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in checkpoint_dir."""
+    progress_dir: str = ""
+    """Folder where every rank keeps the node it is at, to name it if the rank dies."""
+    fail_at: tuple[int, str, str] = (-1, "", "")
+    """(step, node label, raise or exit): fail there on rank 0 (tests of failure handling)."""
+
+
+@dataclass
+class Payload:
+    """What the launcher hands every rank."""
+
+    plan: Plan
+    model: MLLMSpec
+    batches: list[SampleTable]
+    assignments: list[Any]
+    options: TorchOptions
+
+
+@dataclass
+class RankResult:
+    rank: int
+    worker: int
+    tp_index: int
+    start_step: int
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    """Per step: node times (node -> (start ns, end ns)), end ns, loss part, optimizer ns."""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    """Full parameters at the end (only when asked, for tests)."""
+
+
+def _stage_modules(plan: Plan, model: MLLMSpec, template: Template, worker: int, seed: int,
+                   device: torch.device, dtype: torch.dtype) -> tuple[dict[int, nn.Module], nn.Module | None]:
+    w = build_workers(template)[worker]
+    stages: dict[int, nn.Module] = {}
+    layers = plan.stage_layers(w.module, model)
+    offset = 0 if w.module is Module.ENCODER else template.encoder_stages
+    for s in w.stages:
+        stages[s + offset] = build_stage(model, w.module, s, layers, seed).to(device=device, dtype=dtype)
+    encoder = None
+    if plan.colocated and w.module is Module.LLM and 0 in w.stages:
+        encoder = build_stage(model, Module.ENCODER, 0, (model.encoder.layers,), seed).to(device=device, dtype=dtype)
+    return stages, encoder
+
+
+def named_parameters(stages: dict[int, nn.Module], encoder: nn.Module | None,
+                     template: Template) -> dict[str, nn.Parameter]:
+    out: dict[str, nn.Parameter] = {}
+    for s, module in stages.items():
+        kind, local_stage = template.module_stage(s)
+        for name, p in module.named_parameters():
+            out[f"{kind}.s{local_stage}.{name}"] = p
+    if encoder is not None:
+        for name, p in encoder.named_parameters():
+            out[f"encoder.s0.{name}"] = p
+    return out
+
+
+def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[Worker, Groups, Template, Any, dict]:
+    plan, model, opts = payload.plan, payload.model, payload.options
+    template = build_template(plan)
+    layout = RankLayout.of(build_workers(template), rank)
+    groups = Groups(plan, layout, device.type)
+    tied = model.llm.tie_embeddings and plan.stages("llm") > 1
+    first, last = _llm_end_groups(template)
+    if tied and first is not last:  # embedding and head on different ranks: a group per pair
+        gpus = place(plan)
+        groups.tied_embedding_groups([gpus.gpus(Module.LLM, first.rank, x) for x in range(first.replicas)],
+                                     [gpus.gpus(Module.LLM, last.rank, x) for x in range(last.replicas)])
+    dtype = getattr(torch, opts.dtype.value)
+    stages, encoder = _stage_modules(plan, model, template, layout.worker, opts.seed, device, dtype)
+    gw = build_workers(template)[layout.worker]
+    mesh = groups.mesh_of(gw.module)
+    tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+    mp = plan.module(gw.module)
+    for module in list(stages.values()) + ([encoder] if encoder is not None else []):
+        tensor_parallel(module, tp_mesh, mp.tp)
+        if plan.zero >= 2 and mp.dp > 1:  # ZeRO-2 keeps the gathered weights from forward to backward
+            fully_shard_stage(module, dp_mesh, reshard_after_forward=plan.zero == 3)
+    worker = Worker(layout.worker, layout, stages, encoder, dp_mesh.get_group(), device, opts.seed,
+                    model.encoder.image_size, model.llm.vocab, plan.zero)
+    optimizer = make_optimizer(worker.parameters(), plan.zero, worker.dp_group, opts.lr, opts.weight_decay)
+    info = {"tied": tied, "gw": gw, "dtype": dtype}
+    return worker, groups, template, optimizer, info
+
+
+def _llm_end_groups(template: Template):  # noqa: ANN202 - (Group, Group)
+    """The template groups holding the LLM's first and last stages (one group under V placement)."""
+    llm = [g for g in template.groups if g.module is Module.LLM]
+    last_stage = max(s for g in llm for s in g.stages)
+    return (next(g for g in llm if 0 in g.stages), next(g for g in llm if last_stage in g.stages))
+
+
+def _sync_tied_embedding(worker: Worker, groups: Groups, template: Template, gw) -> None:  # noqa: ANN001
+    """The embedding (first LLM stage) and the head (last LLM stage) are one matrix: their gradients
+    are added, on the rank when it holds both (V placement), across ranks otherwise."""
+    from dflop.backends.torch_runtime.parallel import local
+
+    tied = []
+    for s, module in worker.stages.items():
+        if template.module_stage(s)[0] is Module.LLM:
+            tied += [p for p in (module.embed.weight if module.first else None,
+                                 module.head.weight if module.last else None) if p is not None]
+    tied = [p for i, p in enumerate(tied) if p.grad is not None and all(p is not q for q in tied[:i])]
+    if len(tied) == 2:
+        total = local(tied[0].grad) + local(tied[1].grad)
+        for p in tied:
+            local(p.grad).copy_(total)
+    elif tied and (gw.replica, worker.layout.tp_index) in groups.tied:
+        dist.all_reduce(local(tied[0].grad), group=groups.tied[(gw.replica, worker.layout.tp_index)])
+
+
+def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
+    """The body of one rank (spawned locally or under torchrun; the process group is set up here)."""
+    opts = payload.options
+    device = torch.device("cpu" if opts.device is Device.CPU else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    else:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl",
+                                timeout=datetime.timedelta(seconds=opts.timeout_s))
+    rank = dist.get_rank()
+    worker, groups, template, optimizer, info = _setup(payload, rank, device)
+    named = named_parameters(worker.stages, worker.colocated_encoder, template)
+    start = 0
+    folder = Path(opts.checkpoint_dir) if opts.checkpoint_dir else None
+    if opts.resume and folder is not None:
+        found = checkpoint.latest(folder)
+        if found is not None:
+            start = checkpoint.load(found, named, optimizer)["step"]
+    result = RankResult(rank, worker.graph_worker, worker.layout.tp_index, start)
+    model = payload.model
+    progress = ProgressFile(Path(opts.progress_dir), rank) if opts.progress_dir else None
+    for step in range(start, len(payload.batches)):
+        batch, assignment = payload.batches[step], payload.assignments[step]
+        graph = lower(template, step_routes(payload.plan, batch, assignment))
+        data = StepData(payload.plan, batch, assignment)
+        clock = Clock(device)
+        run = StepRun(worker, graph, data, step, clock, dtype=info["dtype"],
+                      hidden={Module.LLM: model.llm.hidden, Module.ENCODER: model.encoder.hidden},
+                      patches=model.encoder.patches_per_tile)
+        if opts.fail_at[0] == step and rank == 0:
+            run.fail = (opts.fail_at[1], opts.fail_at[2])
+        run.progress = progress
+        run.prepare()
+        dist.barrier()
+        clock.mark()
+        run.run()
+        if info["tied"]:
+            _sync_tied_embedding(worker, groups, template, info["gw"])
+        opt_start = clock.mark()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        end = clock.mark()
+        marks = clock.resolve()
+        result.steps.append({"step": step, "nodes": {n: (marks[a], marks[b]) for n, a, b in run.times},
+                             "optimizer": (marks[opt_start], marks[end]), "end": marks[end], "loss": run.loss})
+        if folder is not None and opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
+            checkpoint.save(folder, step + 1, named, optimizer, {"seed": opts.seed, "plan": payload.plan.describe()})
+    if keep_parameters:
+        result.parameters = {n: _full(p).detach().cpu().clone() for n, p in named.items()}
+    dist.barrier()
+    return result
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def rank_entry(payload: Payload, keep_parameters: bool) -> RankResult:
+    """The function the local launcher runs in every process (an ``ActionFailed`` names the rank, step
+    and node; the launcher reports its message), the process group torn down either way."""
+    try:
+        return run_rank(payload, keep_parameters)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a peer is gone; nothing left to tear down cleanly
+                pass

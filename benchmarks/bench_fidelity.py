@@ -1,0 +1,100 @@
+"""Fidelity: the simulator's predicted step time against the torch backend's measured one.
+
+Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fidelity.py [--steps 4] [--profiles DIR]
+
+Tiny SigLIP- and Qwen2.5-shaped models on 2 local CPU processes (gloo, one thread
+each: the ranks never outnumber this machine's 2 cores, so the prediction need not
+model sharing a core). Each plan x schedule trains the same global batches, split by
+dflop's scheduler; the simulator predicts the very same steps with the profiled CPU
+cost model (the shipped profile, measured with one thread per process as the backend
+runs, or the stores in --profiles). It prints, per plan, the predicted and the
+measured step time (median over the steps after a warm-up step) and the error, then
+the median absolute error and whether the simulator orders the plans as measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+PLANS = {
+    "dp2 (colocated)": dict(encoder={"dp": 2}, llm={"dp": 2}, placement="colocated", microbatches=2),
+    "pp2 1F1B": dict(encoder={}, llm={"pp": 2}, placement="colocated", microbatches=4, schedule="1F1B"),
+    "pp2 GPipe": dict(encoder={}, llm={"pp": 2}, placement="colocated", microbatches=4, schedule="GPipe"),
+    "pp2 ZBH1": dict(encoder={}, llm={"pp": 2}, placement="colocated", microbatches=4, schedule="ZBH1"),
+    "pp2 Interleaved1F1B v2": dict(encoder={}, llm={"pp": 2}, placement="colocated", microbatches=4,
+                                   schedule="Interleaved1F1B", virtual_stages=2),
+    "pp2 ZBVZeroBubble": dict(encoder={}, llm={"pp": 2}, placement="colocated", microbatches=4,
+                              schedule="ZBVZeroBubble", virtual_stages=2),
+    "disaggregated encoder 1 + llm 1": dict(encoder={}, llm={}, placement="disaggregated", microbatches=2),
+    "tp2 (colocated)": dict(encoder={"tp": 2}, llm={"tp": 2}, placement="colocated", microbatches=1),
+}
+
+
+def kendall_agreement(a: list[float], b: list[float]) -> float:
+    """Share of plan pairs that both lists order the same way."""
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    same = sum(1 for i, j in pairs if (a[i] - a[j]) * (b[i] - b[j]) > 0)
+    return same / len(pairs) if pairs else 1.0
+
+
+def main() -> None:
+    from dflop.backends import ScheduledBatch
+    from dflop.backends.torch_runtime.backend import TorchBackend
+    from dflop.backends.torch_runtime.worker import TorchOptions
+    from dflop.cost import System
+    from dflop.cost.select import select_cost_model
+    from dflop.program.steps import StepRunner
+    from dflop.schedule.step import plan_costs, schedule_batch
+    from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, presets
+    from dflop.workload import batches, profile_mix
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per plan (after one warm-up)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--mix", default="llava-ov")
+    parser.add_argument("--profiles", action="append", default=[], help="profile store folder(s)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+
+    model = presets.model("tiny-vit", "tiny-llm")
+    hardware = presets.hardware("cpu")
+    training = TrainingSpec(global_batch=args.batch)
+    cost, note = select_cost_model(model, hardware, training, args.profiles)
+    system = System(model, ClusterSpec(hardware=hardware, nodes=1, gpus_per_node=2), training, cost)
+    data = profile_mix(args.mix, 4000, model.encoder, seed=0).samples
+    print(f"{model.name} on 2 CPU processes, {args.mix}, global batch {args.batch}; {note}")
+    print(f"{'plan':<34} {'predicted s':>11} {'measured s':>11} {'error':>8}")
+    rows = []
+    for name, fields in PLANS.items():
+        plan = Plan(encoder=ModulePlan(**fields["encoder"]), llm=ModulePlan(**fields["llm"]),
+                    **{k: v for k, v in fields.items() if k not in ("encoder", "llm")})
+        stream = batches(data, args.batch, seed=1)
+        steps = []
+        for _ in range(args.steps + 1):
+            batch = next(stream)
+            costs = plan_costs(batch, plan, model, cost)
+            steps.append(ScheduledBatch(batch, schedule_batch(batch, plan, costs=costs, solver="auto",
+                                                              time_limit=0.2).assignment))
+        result = TorchBackend(options=TorchOptions(lr=1e-4)).run(StepRunner(plan, system), steps)
+        measured = float(np.median([s["step_s"] for s in result.steps[1:]]))
+        predicted = float(np.median(result.extra["predicted_step_time_s"][1:]))
+        rows.append({"plan": name, "describe": plan.describe(), "predicted_s": predicted, "measured_s": measured,
+                     "error": predicted / measured - 1})
+        print(f"{name:<34} {predicted:11.3f} {measured:11.3f} {rows[-1]['error']:+8.1%}", flush=True)
+    errors = [abs(r["error"]) for r in rows]
+    agreement = kendall_agreement([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    fastest = (min(rows, key=lambda r: r["predicted_s"])["plan"], min(rows, key=lambda r: r["measured_s"])["plan"])
+    print(f"median |error| {np.median(errors):.1%} (max {max(errors):.1%}) over {len(rows)} plans")
+    print(f"plan pairs ordered as measured: {agreement:.0%}; fastest predicted: {fastest[0]}; fastest measured: "
+          f"{fastest[1]}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "median_abs_error": float(np.median(errors)),
+                                         "pair_agreement": agreement, "cost_model": cost.name}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

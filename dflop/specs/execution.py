@@ -1,0 +1,58 @@
+"""How a real run executes (the torch backend): device, precision, optimizer, timeouts, checkpoints.
+
+The plan says what runs where; this says how the processes run it. A run
+config holds it under ``execution:``; the simulator ignores it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from dflop.specs.limits import MAX_SECONDS, MAX_STEPS
+from dflop.specs.loading import check_numbers, limit, require
+
+
+class Device(str, Enum):
+    CPU = "cpu"
+    """One process per simulated GPU, gloo, one thread each."""
+    CUDA = "cuda"
+    """One process per GPU, NCCL."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class DType(str, Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT64 = "float64"
+    """For checking a distributed run against the sequential one without rounding noise."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutionSpec:
+    device: Device = Device.CPU
+    dtype: DType = DType.FLOAT32
+    lr: float = field(default=1e-3, metadata=limit(high=1.0))
+    """AdamW learning rate."""
+    weight_decay: float = field(default=0.0, metadata=limit(0, 1.0))
+    timeout_s: float = field(default=120.0, metadata=limit(high=MAX_SECONDS))
+    """Point-to-point and collective timeout: a lost peer fails the run after this at the latest."""
+    checkpoint_every: int = field(default=0, metadata=limit(0, MAX_STEPS))
+    """Save a checkpoint (torch.distributed.checkpoint) every this many steps; 0: never."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
+        for name, kind in (("device", Device), ("dtype", DType)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                names = ", ".join(m.value for m in kind)
+                require(value in [m.value for m in kind], f"{name}: {value!r} is not one of {names}")
+                object.__setattr__(self, name, kind(value))
+        require(self.lr > 0, f"lr: must be positive, got {self.lr}")
+        require(self.timeout_s > 0, f"timeout_s: must be a positive number of seconds, got {self.timeout_s}")

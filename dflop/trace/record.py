@@ -1,0 +1,75 @@
+"""The one recorder: what happened to a step graph's nodes, as trace events.
+
+Both runtimes call it with the same graph and their own times (simulated or
+measured), so the two traces of a step hold the same events with the same
+names and arguments: compute nodes on a worker's compute thread, sends,
+receives and collectives on its communication thread. ``seq`` is the node's
+position in its worker's order, which is how traces from two runtimes are
+lined up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from dflop.program.costs import StepCosts
+from dflop.program.stepgraph import StepGraph
+from dflop.trace.chrome import COMM, COMPUTE, TraceBuilder
+
+RECV = "recv"
+"""Category of receive events: they mark arrivals; the transfer itself is drawn by the send."""
+
+
+def worker_records(graph: StepGraph, costs: StepCosts | None = None,
+                   capacity: float | None = None) -> list[dict[str, Any]]:
+    out = []
+    for w in graph.workers:
+        record = {"name": w.name, "module": str(w.module), "rank": w.pp_rank, "replica": w.replica,
+                  "gpus": list(w.gpus)}
+        if costs is not None:
+            record["capacity_bytes"] = costs.capacity
+            record["static_bytes"] = float(costs.static_bytes[w.index])
+        elif capacity is not None:
+            record["capacity_bytes"] = capacity
+        out.append(record)
+    return out
+
+
+def _category(graph: StepGraph, k: int) -> str:
+    kind = graph.nodes[k].kind
+    if kind.is_compute:
+        return kind.value
+    if kind.is_collective:
+        return kind.value.lower()
+    if kind.is_recv:
+        return RECV
+    return "bridge" if kind.value.startswith("BRIDGE") else "p2p"
+
+
+def node_args(graph: StepGraph, k: int, costs: StepCosts | None = None) -> dict[str, Any]:
+    """Arguments of node k's event: where it sits, and what it computes when costs are known."""
+    node = graph.nodes[k]
+    args: dict[str, Any] = {"seq": graph.position[k]}
+    if node.stage >= 0:
+        module, stage = graph.template.module_stage(node.stage)
+        args.update(module=str(module), stage=stage)
+    if node.microbatch >= 0:
+        args["microbatch"] = node.microbatch
+    if node.peer >= 0:
+        args["peer"] = node.peer
+    if costs is not None and node.kind.is_compute:
+        args.update(flops=float(costs.flops[k]), **costs.info[k])
+    return args
+
+
+def record_step(trace: TraceBuilder, graph: StepGraph, start: Sequence[int], end: Sequence[int], *,
+                step: int, offset_ns: int, costs: StepCosts | None = None,
+                memory: list[list[tuple[int, float]]] | None = None) -> None:
+    """Every node of the step as one complete event; memory as counter events when given."""
+    for k, node in enumerate(graph.nodes):
+        tid = COMPUTE if node.kind.is_compute else COMM
+        trace.op(node.worker, tid, graph.labels[k], _category(graph, k), int(start[k]) + offset_ns,
+                 int(end[k]) + offset_ns, {**node_args(graph, k, costs), "step": step})
+    for w, changes in enumerate(memory or ()):
+        for ns, held in changes:
+            trace.counter(w, "memory", ns + offset_ns, held)

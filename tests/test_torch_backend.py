@@ -1,0 +1,174 @@
+"""The torch backend on real processes (gloo, one thread each): it trains exactly what one process
+trains, runs the same step graphs as the simulator, fails loudly, and resumes where it stopped."""
+
+import time
+
+import numpy as np
+import pytest
+
+from dflop.backends import ScheduledBatch, get_backend
+from dflop.backends.torch_runtime.backend import RankFailed, TorchBackend
+from dflop.backends.torch_runtime.reference import reference_training, whole_model_name
+from dflop.backends.torch_runtime.worker import TorchOptions
+from dflop.cost import System
+from dflop.cost.select import select_cost_model
+from dflop.errors import DflopError
+from dflop.program.steps import StepRunner
+from dflop.schedule.step import plan_costs, schedule_batch
+from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, presets
+from dflop.workload.sample import SampleTable
+
+MODEL = presets.model("tiny-vit", "tiny-llm")
+PLANS = {  # 2, 3 and 4 processes; every kind of program; pipeline, data and tensor parallelism
+    "colocated pp2 1F1B": Plan(encoder=ModulePlan(), llm=ModulePlan(pp=2), placement="colocated", microbatches=2),
+    "disaggregated encoder + llm pp2": Plan(encoder=ModulePlan(), llm=ModulePlan(pp=2), microbatches=2),
+    "colocated interleaved pp2 v2 x dp2": Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(pp=2, dp=2),
+                                               placement="colocated", microbatches=2, schedule="Interleaved1F1B",
+                                               virtual_stages=2),
+    "colocated zero-bubble pp2 x tp2": Plan(encoder=ModulePlan(tp=2), llm=ModulePlan(tp=2, pp=2),
+                                            placement="colocated", microbatches=4, schedule="ZBH1"),
+    "dp2 ZeRO-3 (FSDP2)": Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated", microbatches=2,
+                               zero=3),
+}
+
+
+@pytest.fixture(scope="module")
+def system():
+    hardware = presets.hardware("cpu")
+    training = TrainingSpec(global_batch=8)
+    cost, _ = select_cost_model(MODEL, hardware, training)
+    return System(MODEL, ClusterSpec(hardware=hardware, nodes=1, gpus_per_node=4), training, cost)
+
+
+@pytest.fixture(scope="module")
+def small_samples():
+    """Samples of every modality, small enough for a quick CPU test, laid out as the tiny encoder's
+    rules would (64 tokens a tile, a newline a row of an image grid, 16 a video frame)."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(40):
+        modality = i % 4  # text, image, multi_image, video
+        tiles = [0, int(rng.integers(2, 4)), int(rng.integers(2, 4)), int(rng.integers(2, 5))][modality]
+        image = [0, 64 * tiles + 2, 65 * tiles, 16 * tiles][modality]
+        rows.append((f"t{i}", modality, tiles, int(rng.integers(8, 80)), image))
+    return SampleTable.build(*zip(*rows))
+
+
+def scheduled(system, plan, samples, steps, seed=0):
+    """``steps`` global batches of 8, each split by dflop's scheduler (bins of unequal shapes)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        batch = samples.take(rng.choice(len(samples), 8, replace=False))
+        costs = plan_costs(batch, plan, system.model, system.cost)
+        out.append(ScheduledBatch(batch, schedule_batch(batch, plan, costs=costs, solver="lpt").assignment))
+    return out
+
+
+def max_difference(params, reference):
+    return max(float((t - reference[whole_model_name(n, MODEL.llm.tie_embeddings)]).abs().max())
+               for n, t in params.items())
+
+
+def node_sequences(trace):
+    """Per worker, the graph's node names in execution order (events carry their position ``seq``)."""
+    events = sorted((e["pid"], e["args"]["step"], e["args"]["seq"], e["name"]) for e in trace["traceEvents"]
+                    if e.get("ph") == "X" and "seq" in e.get("args", {}))
+    out = {}
+    for pid, _, _, name in events:
+        out.setdefault(pid, []).append(name)
+    return out
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_distributed_training_matches_the_single_process_reference(system, small_samples, name):
+    """fp64, so reassociation noise (~1e-15) cannot hide a wrong gradient: the parameters after two
+    AdamW steps equal the sequential run's to 1e-9. The trace holds the simulator's nodes, in order."""
+    plan = PLANS[name]
+    steps = scheduled(system, plan, small_samples, 2)
+    assert len({tuple(np.bincount(s.assignment, minlength=plan.bins)) for s in steps}) >= 1
+    options = TorchOptions(dtype="float64", lr=1e-2, seed=7)
+    result = TorchBackend(options=options, keep_parameters=True).run(StepRunner(plan, system), steps)
+    reference, losses = reference_training(MODEL, [s.batch for s in steps], options)
+    n_params = sum(1 for n in reference)
+    assert len({whole_model_name(n, MODEL.llm.tie_embeddings) for n in result.extra["parameters"]}) == n_params
+    assert max_difference(result.extra["parameters"], reference) < 1e-9
+    assert result.extra["losses"] == pytest.approx(losses, rel=1e-12)
+    simulated = get_backend("sim").run(StepRunner(plan, system), steps)
+    assert node_sequences(result.trace) == node_sequences(simulated.trace)
+    assert result.metrics.steps == 2 and len(result.extra["predicted_step_time_s"]) == 2
+
+
+def test_fp32_training_stays_within_a_small_fraction_of_one_adam_step(system, small_samples):
+    """In fp32 the gradients differ by rounding, which Adam's normalisation can magnify for gradients
+    near zero; every parameter still lands within 5% of one step (lr) of the sequential run's."""
+    plan = PLANS["colocated pp2 1F1B"]
+    steps = scheduled(system, plan, small_samples, 2, seed=1)
+    options = TorchOptions(lr=1e-3)
+    result = TorchBackend(options=options, keep_parameters=True).run(StepRunner(plan, system), steps)
+    reference, _ = reference_training(MODEL, [s.batch for s in steps], options)
+    assert max_difference(result.extra["parameters"], reference) < 0.05 * options.lr
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_a_failing_rank_stops_every_rank_with_its_step_and_node(system, small_samples, how):
+    plan = PLANS["colocated pp2 1F1B"]
+    steps = scheduled(system, plan, small_samples, 3)
+    options = TorchOptions(timeout_s=30, fail_at=(1, "0F1", how))
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as err:
+        TorchBackend(options=options, predict=False).run(StepRunner(plan, system), steps)
+    assert time.monotonic() - start < 90  # bounded: no rank waits for the dead one forever
+    message = str(err.value)
+    assert "\n" not in message and "step 1" in message and "0F1" in message and "rank 0" in message
+    if how == "raise":
+        assert "RuntimeError: injected failure" in message
+    else:
+        assert "died" in message and "every other rank was stopped" in message
+
+
+def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(system, small_samples, tmp_path):
+    plan = Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated", microbatches=2, zero=1)
+    steps = scheduled(system, plan, small_samples, 4, seed=2)  # ZeRO-1: each rank saves its optimizer shard
+    base = TorchOptions(dtype="float64", lr=1e-2)
+    whole = TorchBackend(options=base, keep_parameters=True, predict=False).run(StepRunner(plan, system), steps)
+    folder = str(tmp_path / "checkpoints")
+    interrupted = TorchOptions(dtype="float64", lr=1e-2, checkpoint_every=2, checkpoint_dir=folder,
+                               fail_at=(3, "0F1", "exit"))
+    with pytest.raises(RankFailed, match="step 3"):
+        TorchBackend(options=interrupted, predict=False).run(StepRunner(plan, system), steps)
+    resumed = TorchOptions(dtype="float64", lr=1e-2, checkpoint_every=2, checkpoint_dir=folder, resume=True)
+    again = TorchBackend(options=resumed, keep_parameters=True, predict=False).run(StepRunner(plan, system), steps)
+    assert again.extra["first_step"] == 2 and again.metrics.steps == 2
+    assert max(float((again.extra["parameters"][n] - t).abs().max())
+               for n, t in whole.extra["parameters"].items()) < 1e-12
+    assert again.extra["losses"] == pytest.approx(whole.extra["losses"][2:], rel=1e-12)
+
+
+def test_an_unknown_backend_lists_the_valid_ones():
+    with pytest.raises(DflopError, match=r"unknown backend 'tpu' \(known: sim, torch\)"):
+        get_backend("tpu")
+
+
+def test_out_of_memory_names_the_rank_the_node_and_the_microbatch_shape(small_samples):
+    import torch
+
+    from dflop.backends.torch_runtime.parallel import RankLayout
+    from dflop.backends.torch_runtime.runtime import Clock, StepRun, Worker
+    from dflop.backends.torch_runtime.shapes import StepData
+    from dflop.program.stepgraph import lower
+    from dflop.program.template import build_template
+
+    plan = Plan(encoder=ModulePlan(), llm=ModulePlan(), placement="colocated", microbatches=2)
+    batch = small_samples.take(np.arange(6))
+    assignment = np.array([0, 1, 0, 1, 0, 1])
+    graph = lower(build_template(plan))
+    worker = Worker(0, RankLayout(3, 0, 0, ((3,),)), {}, None, None, torch.device("cpu"), 0, 64, 1024, 1)
+    run = StepRun(worker, graph, StepData(plan, batch, assignment), 5, Clock(torch.device("cpu")))
+    n = graph.labels.index("0F1")
+    err = run.failure(n, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    rows = assignment == 1
+    shape = (f"llm stage 0, microbatch 1: 3 samples, {batch.tiles[rows].sum()} tiles, "
+             f"{batch.llm_tokens[rows].sum()} tokens")
+    assert str(err).startswith("rank 3 (w0) failed at step 5, node 0F1: OutOfMemoryError: out of memory (" + shape)
+    assert ">> 0F1" in err.details and "\n" not in str(err)

@@ -1,0 +1,53 @@
+"""`dflop run --backend torch` as a user runs it: spawned locally, and under torchrun."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from cli_helpers import assert_one_line_error, dflop, dflop_json
+
+TINY = {"encoder": "tiny-vit", "llm": "tiny-llm", "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": 2},
+        "training": {"global_batch": 4}, "data": {"preset": "llava-ov", "samples": 300}, "steps": 2,
+        "plan": {"encoder": {"dp": 2}, "llm": {"dp": 2}, "placement": "colocated", "microbatches": 1}}
+
+
+@pytest.fixture()
+def tiny_config(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return path
+
+
+def test_torch_run_reports_measured_and_predicted_steps_losses_and_artifacts(tiny_config, tmp_path):
+    out = tmp_path / "run"
+    r = dflop_json("run", "--backend", "torch", "--config", tiny_config, "--out", out)
+    assert r["backend"] == "torch" and r["steps"] == 2 and len(r["losses"]) == 2
+    assert r["step_time_s"]["mean"] > 0 and r["predicted_step_time_s"]["mean"] > 0
+    assert r["prediction_error"] == pytest.approx(r["predicted_step_time_s"]["mean"] / r["step_time_s"]["mean"] - 1)
+    assert r["baseline"]["plan"]["describe"] == r["plan"]["describe"]  # same plan, arrival-order batches
+    assert r["speedup"] == pytest.approx(r["baseline"]["step_time_s"]["mean"] / r["step_time_s"]["mean"])
+    for key in ("trace", "predicted_trace", "timeline"):
+        assert (out / r["artifacts"][key].split("/")[-1]).exists()
+    trace = json.loads((out / "dflop.trace.json").read_text())
+    assert trace["otherData"]["backend"] == "torch" and len(trace["otherData"]["steps"]) == 2
+    assert sorted(p.name for p in (out / "schedules" / "dflop").iterdir()) == ["step-000000.json", "step-000001.json"]
+
+
+def test_a_resume_folder_without_a_run_is_a_clear_error(tmp_path):
+    proc = dflop("run", "--backend", "torch", "--resume", tmp_path, "--out", tmp_path / "x")
+    assert_one_line_error(proc, str(tmp_path), "nothing to resume", "dflop.plan.yaml")
+
+
+def test_the_same_config_runs_under_torchrun_and_only_rank_0_reports(tiny_config, tmp_path):
+    torchrun = str(Path(sys.executable).parent / "torchrun")  # installed with torch
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "dflop", "run", "--backend",
+                           "torch", "--config", str(tiny_config), "--out", str(tmp_path / "run"), "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1
+    r = json.loads(lines[0])
+    assert r["gpus"] == 2 and len(r["losses"]) == 2 and r["step_time_s"]["mean"] > 0
