@@ -18,8 +18,9 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 $(ARGS)
 
+# Every benchmark, then benchmarks/REPORT.md and benchmarks/results/*.json (ARGS=--quick: a dry run).
 bench: $(STAMP)
-	for b in benchmarks/bench_*.py; do $(VENV)/bin/python $$b || exit 1; done
+	$(VENV)/bin/python benchmarks/report.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -20,12 +20,14 @@ stage (F/v, B/v, W/v):
 - ZBVZeroBubble (p-1)f: with f = i = w only the fill idles (the last rank's
   first forward waits for p-1 forwards).
 
-Run: .venv/bin/python benchmarks/bench_schedules.py
+Run: .venv/bin/python benchmarks/bench_schedules.py [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from report import Results, arguments
 
 from dflop.sim import simulate_pipeline
 from dflop.trace.metrics import metrics
@@ -56,26 +58,29 @@ def simulate(schedule: str, p: int, m: int, v: int, overlap: str):
                              overlap=overlap)
 
 
-def table(p: int, m: int) -> None:
-    print(f"\np={p} ranks, m={m} microbatches, F={F:g} I={I:g} W={W:g} per rank")
-    print(f"{'schedule':<22} {'v':>2} {'step':>7} {'bubble':>7} {'frac':>6} {'/busy':>6} {'closed form':>11}")
-    bubbles = {}
+def table(results: Results, p: int, m: int) -> None:
+    rows, bubbles = [], {}
     for label, schedule, v, overlap, closed in ROWS:
         result = simulate(schedule, p, m, v, overlap)
         busy = metrics(result.trace).busy_s
         bubble = result.step_time - min(busy)
         bubbles[label] = bubble
-        form = f"{closed(p, v):11.3f}" if closed else f"{'-':>11}"
-        print(f"{label:<22} {v:>2} {result.step_time:7.2f} {bubble:7.3f} {result.bubble_fraction:6.1%} "
-              f"{bubble / min(busy):6.1%} {form}")
+        rows.append([label, v, round(result.step_time, 2), round(bubble, 3), f"{result.bubble_fraction:.1%}",
+                     f"{bubble / min(busy):.1%}", round(closed(p, v), 3) if closed else "-"])
+    results.table(["schedule", "v", "step", "bubble", "frac", "/busy", "closed form"], rows,
+                  f"p={p} ranks, m={m} microbatches, F={F:g} I={I:g} W={W:g} per rank")
     base = bubbles["Interleaved1F1B"]
-    print("bubble / Interleaved1F1B's: " + ", ".join(
+    results.note(f"p={p}, m={m}: bubble / Interleaved1F1B's: " + ", ".join(
         f"{k} {bubbles[k] / base:.2f}" for k in ("ZBVZeroBubble", "DualPipeV", "DualPipeV overlapped")))
 
 
 def main() -> None:
-    for p, m in ((4, 8), (8, 32)):
-        table(p, m)
+    args = arguments(__doc__.splitlines()[0]).parse_args()
+    results = Results("Pipeline schedules: bubbles against their closed forms",
+                      "python benchmarks/bench_schedules.py" + (" --quick" if args.quick else ""))
+    for p, m in ((4, 8),) if args.quick else ((4, 8), (8, 32)):
+        table(results, p, m)
+    results.save(args.json)
 
 
 if __name__ == "__main__":

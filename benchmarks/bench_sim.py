@@ -1,6 +1,7 @@
 """Simulator speed: SimPy executor vs a bare SimPy loop, one step of a 1024-GPU plan, the fast evaluator.
 
-Run: .venv/bin/python benchmarks/bench_sim.py
+Run: .venv/bin/python benchmarks/bench_sim.py [--quick] [--json PATH]
+(--quick: 10 steps of the pipeline, and a 128-GPU plan instead of 1024)
 Prints figures and ratios of things measured in the same run (machines here are shared and noisy).
 """
 
@@ -10,6 +11,7 @@ import time
 
 import numpy as np
 import simpy
+from report import Results, arguments
 
 from dflop.cost import AnalyticalCostModel, System
 from dflop.program.costing import stage_times_timing
@@ -47,8 +49,8 @@ def bare_simpy(events: int) -> float:
     return time.perf_counter() - start
 
 
-def pipeline_rate() -> None:
-    p, m, steps = 8, 64, 100
+def pipeline_rate(results: Results, steps: int) -> None:
+    p, m = 8, 64
     plan = Plan(encoder=ModulePlan(), llm=ModulePlan(pp=p), placement="colocated", microbatches=m)
     template = build_template(plan, build("1F1B", p, m))
     rng = np.random.default_rng(0)
@@ -62,40 +64,54 @@ def pipeline_rate() -> None:
     ours = time.perf_counter() - start
     bare = min(bare_simpy(events) for _ in range(3))
     ops = steps * len(graph.compute_nodes())
-    print(f"1F1B p={p} m={m}, {steps} steps: {ops} compute nodes ({steps * len(graph)} nodes with "
-          f"sends and receives), {events} SimPy events in {ours:.2f} s = {ops / ours:,.0f} compute nodes/s, "
-          f"{events / ours:,.0f} events/s")
-    print(f"bare SimPy loop, {events} events: {bare:.2f} s = {events / bare:,.0f} events/s")
-    print(f"  simulator / bare SimPy event rate: {bare / ours:.2f} (target >= 0.5)")
+    results.table(["executor", "SimPy events", "seconds", "events/s", "compute nodes/s"],
+                  [["dflop simulator", events, round(ours, 2), round(events / ours), round(ops / ours)],
+                   ["bare SimPy loop", events, round(bare, 2), round(events / bare), ""]],
+                  f"1F1B p={p} m={m}, {steps} steps: {ops} compute nodes ({steps * len(graph)} nodes with sends "
+                  "and receives)")
+    results.note(f"simulator / bare SimPy event rate: {bare / ours:.2f} (target >= 0.5)")
 
 
-def big_plan() -> None:
+def big_plan(results: Results, nodes: int) -> None:
     model = presets.model("siglip-so400m", "qwen2.5-7b")
-    cluster = ClusterSpec(hardware=presets.hardware("h100"), nodes=128, gpus_per_node=8)
-    training = TrainingSpec(global_batch=8192, recompute="full")
+    cluster = ClusterSpec(hardware=presets.hardware("h100"), nodes=nodes, gpus_per_node=8)
+    batch = 8 * cluster.gpus
+    training = TrainingSpec(global_batch=batch, recompute="full")
     cost = AnalyticalCostModel(model, cluster.hardware, training)
-    plan = Plan(encoder=ModulePlan(tp=1, pp=1, dp=128), llm=ModulePlan(tp=4, pp=4, dp=56), microbatches=16)
-    plan.validate(cluster, model, 8192)
+    encoder_dp = cluster.gpus // 8
+    plan = Plan(encoder=ModulePlan(tp=1, pp=1, dp=encoder_dp),
+                llm=ModulePlan(tp=4, pp=4, dp=(cluster.gpus - encoder_dp) // 16), microbatches=16)
+    plan.validate(cluster, model, batch)
     runner = StepRunner(plan, System(model, cluster, training, cost))
-    batch = profile_mix("llava-ov", 20000, model.encoder).sample(8192, np.random.default_rng(0))
-    assignment = np.arange(8192) % plan.bins
-    t_timing, timing = best_of(lambda: runner.builder.timing(batch, assignment))
-    t_lower, graph = best_of(lambda: runner.lower(batch, assignment))
+    sample = profile_mix("llava-ov", 20000, model.encoder).sample(batch, np.random.default_rng(0))
+    assignment = np.arange(batch) % plan.bins
+    t_timing, timing = best_of(lambda: runner.builder.timing(sample, assignment))
+    t_lower, graph = best_of(lambda: runner.lower(sample, assignment))
     t_costs, costs = best_of(lambda: graph_costs(graph, timing))
     t_sim, ex = best_of(lambda: execute(graph, costs))
     t_fast, fast = best_of(lambda: evaluate(timing))
     t_ref, (_, end) = best_of(lambda: longest_path(graph, costs))
     exact = execute(graph, costs, contention=False).makespan
-    print(f"1024-GPU plan [{plan.describe()}]: {len(graph)} nodes ({len(graph.compute_nodes())} compute), "
-          f"{len(graph.workers)} workers")
-    print(f"  costing {t_timing * 1e3:.0f} ms, lowering {t_lower * 1e3:.0f} ms, graph costs {t_costs * 1e3:.0f} ms, "
-          f"SimPy step {t_sim:.3f} s (target < 1 s), {ex.events} events")
-    print(f"  fast evaluator {t_fast * 1e3:.1f} ms, reference longest path {t_ref * 1e3:.0f} ms; "
-          f"fast evaluator speed-up over SimPy: {t_sim / t_fast:.0f}x")
-    print(f"  step {ex.makespan / 1e9:.3f} s with link contention, {exact / 1e9:.3f} s without "
-          f"(fast evaluator {fast.step_ns / 1e9:.3f} s, equal: {fast.step_ns == exact == int(end.max())})")
+    results.table(["stage", "ms"], [["costing", round(t_timing * 1e3)], ["lowering", round(t_lower * 1e3)],
+                                    ["graph costs", round(t_costs * 1e3)], ["SimPy step", round(t_sim * 1e3)],
+                                    ["fast evaluator", round(t_fast * 1e3, 1)],
+                                    ["reference longest path", round(t_ref * 1e3)]],
+                  f"{cluster.gpus}-GPU plan [{plan.describe()}]: {len(graph)} nodes "
+                  f"({len(graph.compute_nodes())} compute), {len(graph.workers)} workers, {ex.events} SimPy events")
+    results.note(f"{cluster.gpus} GPUs: SimPy step {t_sim:.3f} s (target < 1 s at 1024 GPUs); fast evaluator "
+                 f"speed-up over SimPy {t_sim / t_fast:.0f}x")
+    results.note(f"{cluster.gpus} GPUs: step {ex.makespan / 1e9:.3f} s with link contention, {exact / 1e9:.3f} s "
+                 f"without (fast evaluator {fast.step_ns / 1e9:.3f} s, equal: "
+                 f"{fast.step_ns == exact == int(end.max())})")
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0]).parse_args()
+    results = Results("Simulator speed", "python benchmarks/bench_sim.py" + (" --quick" if args.quick else ""))
+    pipeline_rate(results, 10 if args.quick else 100)
+    big_plan(results, 16 if args.quick else 128)
+    results.save(args.json)
 
 
 if __name__ == "__main__":
-    pipeline_rate()
-    big_plan()
+    main()

@@ -1,5 +1,5 @@
-"""Checks of a run config against what the layers above the specs know (solver names, data
-presets, pipeline schedules, whether a plan fits) and the file system (profile folders).
+"""Checks of a run config against what the layers above the specs know (data presets, pipeline
+schedules, whether a plan fits) and the file system (profile folders).
 
 Specs cannot import those layers, so these names are checked here, once the config is loaded and
 before any work, naming the file and the key: a wrong name fails at once, not at step 0 of a run.
@@ -12,19 +12,22 @@ from pathlib import Path
 from dflop.cost.store import FILENAME
 from dflop.errors import DflopError, PlanError, SpecError
 from dflop.program.schedules import canonical, supports_virtual_stages
-from dflop.schedule.solve import SOLVERS
 from dflop.specs.hardware import ClusterSpec
 from dflop.specs.loading import at, child
 from dflop.specs.plan import Plan
-from dflop.specs.run import RunConfig
+from dflop.specs.run import DEFAULTS, RunConfig, load_run_config
 from dflop.workload.mixes import mix_names
+
+
+def load_config(path: str | Path | None = None, backend: str = "sim") -> RunConfig:
+    """The run config in ``path`` (or the backend's embedded one), checked by :func:`check_run_config`."""
+    config = load_run_config(path, backend)
+    check_run_config(config, str(path or DEFAULTS[backend]))
+    return config
 
 
 def check_run_config(config: RunConfig, source: str) -> None:
     """Raise ``<source>: <key>: <problem>`` for the first unknown name, misfit plan or missing folder."""
-    solver = config.scheduler.solver
-    if solver.strip().lower() not in SOLVERS:
-        raise SpecError(f"{source}: scheduler.solver: unknown solver '{solver}' (known: {', '.join(SOLVERS)})")
     preset = config.data.preset
     if preset.strip().lower() not in mix_names():
         raise SpecError(f"{source}: data.preset: unknown data preset '{preset}' "
@@ -39,9 +42,10 @@ def check_run_config(config: RunConfig, source: str) -> None:
             raise SpecError(f"{where}: holds no profile store ({FILENAME}; `dflop profile model` writes one)")
 
 
-def check_plan(plan: Plan, where: str, config: RunConfig, cluster: ClusterSpec | None = None) -> None:
-    """The plan names a known pipeline schedule and fits the model, the cluster (the config's
-    unless given) and the global batch; ``where`` locates the plan (``"p.yaml:"``)."""
+def check_plan(plan: Plan, where: str, config: RunConfig, cluster: ClusterSpec | None = None,
+               global_batch: int | None = None) -> None:
+    """The plan names a known pipeline schedule and fits the model, the cluster and the global
+    batch (the config's unless given); ``where`` locates the plan (``"p.yaml:"``)."""
     try:
         canonical(plan.schedule)
         if plan.virtual_stages > 1 and not supports_virtual_stages(plan.schedule):
@@ -49,6 +53,6 @@ def check_plan(plan: Plan, where: str, config: RunConfig, cluster: ClusterSpec |
     except DflopError as exc:
         raise SpecError(f"{at(child(where, 'schedule'))}: {exc}") from None
     try:
-        plan.validate(cluster or config.cluster, config.model, config.training.global_batch)
+        plan.validate(cluster or config.cluster, config.model, global_batch or config.training.global_batch)
     except PlanError as exc:
         raise PlanError(f"{at(where)}: {exc}") from None

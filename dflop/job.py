@@ -16,7 +16,7 @@ import numpy as np
 
 from dflop.backends.base import Backend, BackendResult, ScheduledBatch
 from dflop.backends.sim import SimBackend
-from dflop.config_check import check_plan, check_run_config
+from dflop.config_check import check_plan, load_config
 from dflop.cost.select import select_cost_model
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
@@ -31,7 +31,7 @@ from dflop.schedule.step import StepSchedule, plan_costs, schedule_batch
 from dflop.specs.hardware import GIB
 from dflop.specs.loading import to_mapping
 from dflop.specs.plan import Plan
-from dflop.specs.run import DEFAULTS, RunConfig, load_run_config
+from dflop.specs.run import RunConfig
 from dflop.trace.chrome import save_trace
 from dflop.workload.data_profile import DataProfile, batches
 from dflop.workload.manifest import read_manifest
@@ -63,14 +63,6 @@ def load_data(config: RunConfig) -> tuple[SampleTable, str]:
     if d.profile:
         return DataProfile.load(d.profile).samples, f"data profile {d.profile}"
     return synthesize(mix(d.preset), d.samples, config.encoder, d.seed), f"preset {d.preset}"
-
-
-def load_config(config_path: str | Path | None = None, backend: str = "sim") -> RunConfig:
-    """The run config (or the backend's embedded one), with every name, plan and folder it gives
-    checked against what dflop knows, before any work."""
-    config = load_run_config(config_path, backend)
-    check_run_config(config, str(config_path or DEFAULTS[backend]))
-    return config
 
 
 def setup(config_path: str | Path | None = None, *, gpus: int | None = None, backend: str = "sim",

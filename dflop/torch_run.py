@@ -27,7 +27,7 @@ from dflop import job
 from dflop.backends.base import BackendResult, ScheduledBatch
 from dflop.backends.torch_runtime.backend import TorchBackend, under_torchrun
 from dflop.backends.torch_runtime.worker import TorchOptions
-from dflop.config_check import check_plan
+from dflop.config_check import check_plan, load_config
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
 from dflop.program.steps import StepRunner
@@ -124,7 +124,7 @@ def _init_torchrun(config: RunConfig) -> int:
 def run(config_path: Path | None, *, steps: int | None, out: Path, resume: Path | None, progress: Any = None,
         log: job.Log = job._stderr) -> dict[str, Any] | None:
     """Train and compare; the JSON of `dflop run --backend torch` (None on ranks other than 0)."""
-    config = job.load_config(config_path, backend="torch")
+    config = load_config(config_path, backend="torch")
     rank = _init_torchrun(config) if under_torchrun() else 0
     bundle: list[Any] = [None]
     if rank == 0:

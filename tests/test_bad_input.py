@@ -7,8 +7,8 @@ stderr, naming the input; prints nothing on stdout and no traceback; and answers
 bound.
 
 The data files of ``profile data --dataset`` and ``schedule --items`` are read by their own
-packages past the shared reading path (decoding and nesting): only bytes, nesting and missing
-files are generated for them here.
+packages past the shared reading path (decoding and nesting): only bytes, nesting, integers too
+long to convert and missing files are generated for them here.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -248,7 +249,7 @@ def test_bad_traces(tmp_path_factory, data, compare):
 def unreadable(draw, folder: Path, name: str):
     """A file only the shared reading path has to refuse: bad bytes, deep nesting, or none at all."""
     path = folder / name
-    how = draw(st.sampled_from(["bytes", "depth", "missing", "folder"]))
+    how = draw(st.sampled_from(["bytes", "depth", "digits", "missing", "folder"]))
     if how == "bytes":
         body = b'{"items": [{"id": "a", "cost": [1, 2]}]}'
         at = draw(st.integers(0, len(body)))
@@ -256,6 +257,8 @@ def unreadable(draw, folder: Path, name: str):
     elif how == "depth":
         depth = draw(st.integers(MAX_DEPTH + 1, 20000))
         path.write_text('{"items": ' + "[" * depth + "]" * depth + "}")
+    elif how == "digits":
+        path.write_text('{"items": [{"id": "a", "cost": [1, ' + DIGITS + ']}]}')
     elif how == "folder":
         path.mkdir()
     return path
@@ -266,6 +269,24 @@ def unreadable(draw, folder: Path, name: str):
 def test_unreadable_items(tmp_path_factory, data):
     items = data.draw(unreadable(tmp_path_factory.mktemp("items"), "items.json"))
     assert_refused(dflop_here("schedule", "--items", items, "--bins", 2, "--solver", "lpt"), str(items))
+
+
+@FUZZ
+@given(data=st.data(), name=st.sampled_from(["manifest.json", "manifest.jsonl", "data.yaml", "meta.json"]))
+def test_unreadable_datasets(tmp_path_factory, data, name):
+    dataset = data.draw(unreadable(tmp_path_factory.mktemp("dataset"), name))
+    out = dataset.parent / "p.json"
+    assert_refused(dflop_here("profile", "data", "--dataset", dataset, "--out", out), str(dataset))
+    assert not out.exists()
+
+
+def test_a_dataset_list_with_a_key_given_twice_is_refused(tmp_path):
+    for name in ("a.json", "b.json"):
+        (tmp_path / name).write_text('[{"id": "x", "conversations": [{"from": "human", "value": "hi"}]}]')
+    listed = tmp_path / "data.yaml"
+    listed.write_text("datasets:\n  - json_path: a.json\ndatasets:\n  - json_path: b.json\n")
+    assert_refused(dflop_here("profile", "data", "--dataset", listed, "--out", tmp_path / "p.json"),
+                   f"{listed}:3: not valid YAML (duplicate key 'datasets' (first given on line 1))")
 
 
 NAMES = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=1, max_size=20)
@@ -423,3 +444,18 @@ def test_a_saved_arm_reads_back_as_it_was_written(tmp_path):
     assert loaded.plan == saved.plan and loaded.solver == saved.solver and len(loaded.steps) == 2
     for a, b in zip(saved.steps, loaded.steps):
         assert a.batch.columns() == b.batch.columns() and a.assignment.tolist() == b.assignment.tolist()
+
+
+@pytest.mark.parametrize("plan,extra,message", [
+    ({"encoder": {}, "llm": {"tp": 3}, "microbatches": 1}, (), "does not divide the 28 attention heads"),
+    ({"encoder": {}, "llm": {"dp": 64}, "microbatches": 8}, ("--global-batch", 16), "512 bins, more than the 16"),
+    ({"encoder": {}, "llm": {}, "microbatches": 1, "schedule": "2F2B"}, (), "schedule: unknown pipeline schedule"),
+    ({"encoder": {}, "llm": {}, "microbatches": 1}, ("--global-batch", 10**12), "Invalid value for '--global-batch'"),
+])
+def test_export_refuses_a_plan_that_cannot_run(tmp_path, plan, extra, message):
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    ran = dflop_here("export", path, "--to", "megatron", *extra)
+    assert_refused(ran, message)
+    if not message.startswith("Invalid"):
+        assert f"dflop: error: {path}:" in ran.stderr

@@ -70,3 +70,64 @@ def test_batches_lose_and_repeat_nothing(n, batch, steps, seed):
     assert max(per_sample.values()) - min(per_sample.values(), default=0) <= 1 or len(per_sample) < n
     epochs_done = (steps * batch) // n
     assert all(per_sample[s] >= epochs_done for s in table.ids)   # every sample once per epoch
+
+
+# ---- `dflop profile data` on real datasets -----------------------------------------------------
+
+def _dataset(tmp_path):
+    from media_files import image, turns, write_json, write_jsonl
+
+    image(tmp_path / "img/wide.jpg", (1000, 500), "JPEG")
+    write_json(tmp_path / "llava.json", [
+        {"id": "w", "image": "img/wide.jpg", "conversations": turns("<image>\nx")},
+        {"id": "gone", "image": ["img/a.png", "img/b.png"], "conversations": turns("<image><image>")},
+        {"id": "nan", "video": "v.mp4", "duration": float("nan"), "conversations": turns("x")},
+        {"id": "t", "conversations": turns("hello")}])
+    write_jsonl(tmp_path / "swift.jsonl", [
+        {"messages": [{"role": "user", "content": "<image>hi"}], "images": ["img/wide.jpg"]},
+        {"messages": [{"role": "user", "content": "<video>hi"}], "videos": ["v.mp4"], "frames": 4}])
+    (tmp_path / "data.yaml").write_text("datasets:\n  - json_path: llava.json\n"
+                                        "  - json_path: swift.jsonl\n    sampling_strategy: first:1\n")
+    return tmp_path / "data.yaml"
+
+
+def test_cli_skip_bad_summary_and_per_source_counts(tmp_path):
+    from cli_helpers import assert_one_line_error, dflop
+
+    listed = _dataset(tmp_path)
+    assert_one_line_error(dflop("profile", "data", "--dataset", listed, "--out", tmp_path / "p.json"),
+                          "llava.json: entry 1: field 'image[0]'", "not found", "give --image-root")
+    proc = dflop("profile", "data", "--dataset", listed, "--skip-bad", "--json", "--out", tmp_path / "p.json")
+    out = json.loads(proc.stdout)
+    assert out["samples"] == 3 and out["skipped"] == 2
+    assert [(s["name"], s["format"], s["entries"], s["chosen"], s["samples"], s["skipped"])
+            for s in out["source"]["sources"]] == [("llava.json", "llava", 4, 4, 2, 2),
+                                                   ("swift.jsonl", "sharegpt", 2, 1, 1, 0)]
+    assert out["source"]["skipped_reasons"] == {"missing file": 1, "field 'duration'": 1}
+    stderr = proc.stderr.splitlines()
+    assert stderr[0] == "dflop: skipped 2 bad entries: 1 missing file, 1 field 'duration'"
+    assert any("llava.json: entry 2: field 'duration'" in line for line in stderr[1:])
+    saved = DataProfile.load(tmp_path / "p.json")
+    assert saved.source["sources"][1]["sampling"] == "first:1" and len(saved) == 3
+    human = dflop("profile", "data", "--dataset", listed, "--skip-bad", "--out", tmp_path / "p.json").stdout
+    assert "source swift.jsonl            1 samples of 2 entries (first:1, sharegpt)" in human
+
+
+def test_cli_format_encoder_config_and_video_layout(tmp_path):
+    from cli_helpers import assert_one_line_error, dflop, dflop_json
+    from media_files import turns, write_json
+
+    manifest = write_json(tmp_path / "m.json", [{"video": "v.mp4", "frames": 3, "conversations": turns("x")}])
+    assert_one_line_error(dflop("profile", "data", "--dataset", manifest, "--format", "data-yaml", "--out",
+                                tmp_path / "p.json"), "m.json is a manifest, not a LLaVA-NeXT data YAML")
+    grid = dflop_json("profile", "data", "--dataset", manifest, "--out", tmp_path / "p.json")
+    one = dflop_json("profile", "data", "--dataset", manifest, "--video-newline", "one_token", "--out",
+                     tmp_path / "p.json")
+    assert (grid["all"]["llm_tokens"]["max"] - one["all"]["llm_tokens"]["max"]) == 3 * 210 - (3 * 196 + 1)
+    vit = write_json(tmp_path / "vit/config.json", {
+        "model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 384, "intermediate_size": 4304,
+        "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14})
+    out = dflop_json("profile", "data", "--dataset", manifest, "--encoder", vit, "--out", tmp_path / "p.json")
+    assert out["source"]["encoder"] == "vit" and out["all"]["tiles"]["max"] == 3
+    negative = dflop("profile", "data", "--dataset", manifest, "--seed", "-1", "--out", tmp_path / "p.json")
+    assert negative.returncode == 2 and "Traceback" not in negative.stderr

@@ -83,7 +83,7 @@ def test_an_empty_trace_has_no_steps_and_no_utilisation(tmp_path):
     reported = json.loads(out.stdout)["metrics"]
     assert reported["steps"] == 0 and reported["utilisation"] is None and reported["step_time_s"]["mean"] is None
     human = dflop_here("plot", "timeline", path, "--out", tmp_path / "empty.png")
-    assert human.stdout.strip().endswith("(no steps in the trace)")
+    assert "(no steps in the trace |" in human.stdout
 
 
 BAD_EVENTS = [

@@ -122,3 +122,29 @@ def test_internvl_hand_computed():
     assert vision.single_image(448, 448, INTERNVL) == (1, 256)       # one tile, no thumbnail
     assert vision.single_image(1000, 500, INTERNVL) == (3, 3 * 256)  # 2x1 grid + thumbnail
     assert vision.single_image(4000, 3000, INTERNVL) == (13, 13 * 256)  # 4x3 grid + thumbnail
+
+
+@given(st.lists(st.lists(sizes, min_size=2, max_size=14), min_size=1, max_size=6))
+def test_internvl_multi_image_matches_reference(samples):
+    """Each of n images: dynamic_preprocess with max_num = max(1, 12 // n), as InternVL's
+    multi_modal_multi_image_get_item calls it."""
+    w = np.array([s[0] for images in samples for s in images])
+    h = np.array([s[1] for images in samples for s in images])
+    n = np.array([len(images) for images in samples for _ in images])
+    tiles, tokens = vision.multi_image_parts(w, h, n, INTERNVL)
+    expected = [internvl_tiles(x, y, max_num=max(1, 12 // k)) for x, y, k in zip(w, h, n)]
+    assert tiles.tolist() == expected and (tokens == tiles * 256).all()
+    assert vision.multi_image_parts(w, h, n, SIGLIP)[0].tolist() == [1] * len(w)
+
+
+def test_frames_from_container_headers():
+    # LLaVA-NeXT: every round(avg_fps / 1)-th frame, at most 32: 12 frames at 4 fps -> 3;
+    # 90 at 29.97 -> every 30th -> 3; 7 at 2.4 fps -> every 2nd -> 4; 1000 at 25 -> 40 -> 32; 1 at 0.3 -> 1.
+    frames = vision.header_frames(np.array([12, 90, 7, 1000, 1]), np.array([4.0, 29.97, 2.4, 25.0, 0.3]), SIGLIP)
+    assert frames.tolist() == [3, 3, 4, 32, 1]
+
+
+def test_internvl_frame_draws():
+    frames = vision.uniform_frames(2000, INTERNVL, np.random.default_rng(0))
+    assert frames.min() == 8 and frames.max() == 32          # every count from 8 to 32 is drawn
+    assert len(np.unique(frames)) == 25

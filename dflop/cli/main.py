@@ -11,7 +11,7 @@ import click
 
 from dflop.cli.output import emit, fmt_stats, log
 from dflop.errors import DflopError, check_output, ensure_writable_folder
-from dflop.specs.limits import MAX_SAMPLES, MAX_STEPS
+from dflop.specs.limits import MAX_GLOBAL_BATCH, MAX_SAMPLES, MAX_STEPS
 from dflop.viz.style import IMAGE_SUFFIXES
 
 JSON_HELP = "Print exactly one JSON object on stdout (logs go to stderr)."
@@ -62,33 +62,51 @@ def profile() -> None:
 
 
 @profile.command("data")
-@click.option("--dataset", type=click.Path(path_type=Path), help="LLaVA-format manifest (JSON or JSONL).")
+@click.option("--dataset", type=click.Path(path_type=Path),
+              help="Manifest (LLaVA, ShareGPT/LLaMA-Factory/ms-swift or InternVL; JSON or JSON lines) or dataset "
+                   "list (LLaVA-NeXT data YAML, InternVL meta JSON).")
+@click.option("--format", "fmt", type=click.Choice(["auto", "llava", "sharegpt", "internvl", "data-yaml",
+                                                    "meta-json"]), default="auto", show_default=True,
+              help="What --dataset is (detected when auto).")
 @click.option("--preset", help="Synthetic mix: llava-ov, image-heavy, video-heavy, text-only.")
 @click.option("--samples", type=click.IntRange(1, MAX_SAMPLES), help="Samples to draw (preset, default 5000) "
               "or to read at most (dataset).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the preset's draws, of random:N sampling and of InternVL's frame counts.")
 @click.option("--encoder", default="siglip-so400m", show_default=True,
-              help="Encoder whose tiling rules apply.")
+              help="Encoder whose tiling rules apply: a preset or a Hugging Face config.json.")
+@click.option("--video-newline", type=click.Choice(["grid", "frame", "one_token", "none"]),
+              help="Video token layout (LLaVA-NeXT's mm_newline_position; default: the encoder's).")
 @click.option("--image-root", type=click.Path(path_type=Path),
               help="Folder image paths are relative to (default: the manifest's folder).")
+@click.option("--video-root", type=click.Path(path_type=Path),
+              help="Folder video paths are relative to (default: --image-root, else the manifest's folder).")
+@click.option("--tokenizer", type=click.Path(path_type=Path),
+              help="Count text tokens with this tokenizer.json (or checkpoint folder); default: estimate.")
 @click.option("--skip-bad", is_flag=True, help="Skip and count malformed entries instead of failing.")
 @click.option("--plot", type=Output(suffixes=IMAGE_SUFFIXES), help="Also draw the shape distributions here.")
 @click.option("--out", type=Output(), required=True, help="Data profile (JSON) to write.")
 @json_option
-def profile_data(dataset: Path | None, preset: str | None, samples: int | None, seed: int, encoder: str,
-                 image_root: Path | None, skip_bad: bool, plot: Path | None, out: Path,
-                 as_json: bool) -> None:
+def profile_data(dataset: Path | None, fmt: str, preset: str | None, samples: int | None, seed: int,
+                 encoder: str, video_newline: str | None, image_root: Path | None, video_root: Path | None,
+                 tokenizer: Path | None, skip_bad: bool, plot: Path | None, out: Path, as_json: bool) -> None:
     """Record the per-sample shapes of a dataset or a synthetic mix."""
-    from dflop.specs import presets
+    from dataclasses import replace
+
+    from dflop.specs.models import EncoderSpec
     from dflop.workload import profile_dataset, profile_mix
 
     if (dataset is None) == (preset is None):
         raise click.UsageError("give exactly one of --dataset and --preset")
-    enc = presets.encoder(encoder, where="--encoder")
+    enc = EncoderSpec.coerce(encoder, "--encoder")
+    if video_newline is not None:
+        enc = replace(enc, tiling=replace(enc.tiling, video_newline=video_newline))
     if preset is not None:
         prof = profile_mix(preset, samples or 5000, enc, seed)
     else:
-        prof = profile_dataset(dataset, enc, image_root=image_root, skip_bad=skip_bad, samples=samples)
+        prof = profile_dataset(dataset, enc, format=fmt, image_root=image_root, video_root=video_root,
+                               tokenizer=tokenizer, skip_bad=skip_bad, samples=samples, seed=seed)
+        _log_skips(prof.source)
     prof.save(out)
     summary = prof.summary()
     result: dict[str, Any] = {"out": str(out), "source": prof.source, "samples": summary["samples"],
@@ -98,19 +116,38 @@ def profile_data(dataset: Path | None, preset: str | None, samples: int | None, 
         from dflop.viz.data import plot_data_profile
 
         result["plot"] = str(plot_data_profile(prof, plot))
+    emit(result, as_json, _data_profile_text)
 
-    def human(r: dict[str, Any]) -> str:
-        lines = [f"data profile of {r['samples']} samples -> {r['out']}"
-                 + (f" ({r['skipped']} bad entries skipped)" if r["skipped"] else "")]
-        for name, block in {**r["modalities"], "all": r["all"]}.items():
-            lines.append(f"  {name:<12} {block['count']:>7} ({block['share']:6.1%})")
-            lines.append(f"      tiles       {fmt_stats(block['tiles'])}")
-            lines.append(f"      LLM tokens  {fmt_stats(block['llm_tokens'])}")
-        if "plot" in r:
-            lines.append(f"plot -> {r['plot']}")
-        return "\n".join(lines)
 
-    emit(result, as_json, human)
+def _log_skips(source: dict[str, Any]) -> None:
+    """The --skip-bad summary on stderr: a count per reason and a few examples of each."""
+    if not source.get("skipped"):
+        return
+    reasons = ", ".join(f"{n} {reason}" for reason, n in source["skipped_reasons"].items())
+    log(f"dflop: skipped {source['skipped']} bad entries: {reasons}")
+    for example in source["skipped_examples"]:
+        log(f"  {example}")
+
+
+def _data_profile_text(r: dict[str, Any]) -> str:
+    src = r["source"]
+    lines = [f"data profile of {r['samples']} samples -> {r['out']}"
+             + (f" ({r['skipped']} bad entries skipped)" if r["skipped"] else "")]
+    if src.get("kind") == "dataset":
+        renamed = src["renamed_ids"]
+        lines.append(f"  text tokens: {src['text_tokens']}"
+                     + (f"; {renamed} repeated ids renamed id#2, id#3, ..." if renamed else ""))
+        for s in src["sources"] if len(src["sources"]) > 1 else []:
+            skipped = f", {s['skipped']} skipped" if s["skipped"] else ""
+            lines.append(f"  source {s['name']:<16} {s['samples']:>7} samples of {s['entries']} entries "
+                         f"({s['sampling']}, {s['format']}){skipped}")
+    for name, block in {**r["modalities"], "all": r["all"]}.items():
+        lines.append(f"  {name:<12} {block['count']:>7} ({block['share']:6.1%})")
+        lines.append(f"      tiles       {fmt_stats(block['tiles'])}")
+        lines.append(f"      LLM tokens  {fmt_stats(block['llm_tokens'])}")
+    if "plot" in r:
+        lines.append(f"plot -> {r['plot']}")
+    return "\n".join(lines)
 
 
 @profile.command("model")
@@ -132,9 +169,13 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
     from dflop.cli.progress import progress_bar
     from dflop.cost.profiled import holdout_error
     from dflop.cost.store import ProfileStore
+    from dflop.profile.profiler import check_request
     from dflop.profile.profiler import profile_model as run_profile
 
-    with progress_bar() as progress:
+    check_request(model_name, out, device=device, dtype=dtype, grid=grid, llm=pair_llm)  # before the estimate
+    if device == "cpu":
+        _warn_cpu_profile(model_name, grid, tps or (1,), repeats, pair_llm)
+    with progress_bar(f"profiling {model_name}", "shapes") as progress:
         report = run_profile(model_name, out, device=device, dtype=dtype, tps=tps or (1,), grid=grid,
                              llm=pair_llm, repeats=repeats, progress=progress)
     records = [r for r in ProfileStore(report.store).read(log) if r["model"] == model_name.strip().lower()]
@@ -143,6 +184,23 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
     emit(data, as_json, lambda r: (f"{r['measured']} shapes measured, {r['reused']} already in {r['store']}; "
                                    f"held-out error median {r['holdout_error']['median']:.1%}, "
                                    f"max {r['holdout_error']['max']:.1%}"))
+
+
+def _warn_cpu_profile(model_name: str, grid: str | None, tps: tuple[int, ...], repeats: int | None,
+                      llm: str | None) -> None:
+    """Say, before starting, how long profiling on this CPU may take; warn when it is long."""
+    from dflop.profile.estimate import WARN_S, duration, profile_estimate
+    from dflop.specs import presets
+
+    cpu = presets.hardware("cpu")
+    est = profile_estimate(model_name, cpu, grid=grid, tps=tps, repeats=repeats, llm=llm)
+    basis = (f"{est.shapes} shapes, the largest block {est.largest_flops:.2g} FLOPs forward, at the cpu preset's "
+             f"{cpu.peak_flops:.2g} FLOP/s peak")
+    if est.seconds < WARN_S:
+        log(f"dflop: profiling {model_name} on cpu: about {duration(est.seconds)} ({basis})")
+    else:
+        log(f"dflop: warning: profiling {model_name} on cpu may take about {duration(est.seconds)} ({basis}); "
+            "--grid quick measures fewer shapes, --device cuda runs faster")
 
 
 # ---- plan, schedule, simulate, run -------------------------------------------------------------
@@ -191,22 +249,40 @@ def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) ->
 
 @cli.command()
 @click.option("--items", type=click.Path(path_type=Path), required=True,
-              help='JSON {"items": [{"id": ..., "cost": [c_enc, c_llm, ...]}, ...]}.')
+              help='JSON {"items": [{"id": ..., "cost": [c_enc, c_llm, ...]}, ...]}; ids (strings, numbers '
+                   'or booleans) come back as given and must be unique.')
 @click.option("--bins", type=click.IntRange(min=1), required=True, help="Number of bins.")
 @click.option("--solver", default="auto", show_default=True,
-              help="auto, ilp, lpt, kk, sequential or random.")
-@click.option("--time-limit", type=float, default=1.0, show_default=True, help="Seconds for the ILP.")
+              help="auto, ilp, greedy, lpt, kk, sequential or random (any case).")
+@click.option("--time-limit", type=float, default=1.0, show_default=True,
+              help="Seconds the solver may take (finite, above 0).")
 @json_option
 def schedule(items: Path, bins: int, solver: str, time_limit: float, as_json: bool) -> None:
-    """Partition items with cost vectors into balanced bins."""
+    """Partition items with cost vectors into balanced bins.
+
+    \b
+    status says how much is known about the answer, whatever the solver:
+      optimal    the makespan equals a proven lower bound
+      feasible   a search for better ran (auto, ilp, greedy) and stopped
+                 without a proof (deadline, local optimum, within 0.01%)
+      heuristic  one constructive pass (lpt, kk, sequential, random),
+                 no search for better
+    """
     from dflop.schedule.items import read_items
     from dflop.schedule.problem import PartitionProblem
     from dflop.schedule.solve import partition
+    from dflop.specs import scheduling
 
+    name = scheduling.solver(solver, "--solver")
+    limit = scheduling.time_limit(time_limit, "--time-limit")
     ids, costs = read_items(items)
-    result = partition(PartitionProblem(costs, bins, ids=ids), solver, time_limit=time_limit)
+    try:
+        problem = PartitionProblem(costs, bins, ids=ids)
+    except DflopError as exc:
+        raise DflopError(f"{items}: {exc}") from None
+    result = partition(problem, name, time_limit=limit)
     data = {"bins": result.bins(ids), "makespan": result.makespan, "lower_bound": result.lower_bound,
-            "gap": result.gap, "solver": result.solver, "status": result.status, "seconds": result.seconds,
+            "gap": result.gap, "solver": result.solver, "status": result.status.value, "seconds": result.seconds,
             "loads": result.loads.tolist()}
 
     def human(r: dict[str, Any]) -> str:
@@ -321,32 +397,71 @@ def plot() -> None:
     """Draw pictures from traces."""
 
 
+def _step_choice(ctx: click.Context, param: click.Parameter, value: str | None) -> int | str | None:
+    """--step: a step number from 1, or 'all'."""
+    if value is None:
+        return None
+    if value.lower() == "all":
+        return "all"
+    if not value.isdigit() or int(value) < 1:
+        raise click.BadParameter(f"{value!r} is neither a step number (1, 2, ...) nor 'all'")
+    return int(value)
+
+
 @plot.command("timeline")
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option("--out", type=Output(suffixes=IMAGE_SUFFIXES), required=True,
               help=f"Picture to write ({', '.join(IMAGE_SUFFIXES)}).")
 @click.option("--compare", type=click.Path(path_type=Path), help="A second trace, drawn below on the same axis.")
+@click.option("--step", callback=_step_choice, metavar="K|all",
+              help="Draw step K (1 = the first) or all steps (default: the first step).")
+@click.option("--window", type=(float, float), metavar="START END",
+              help="Zoom to this time window, in seconds from the drawn step's start (from the trace's start "
+                   "with --step all).")
 @json_option
-def plot_timeline(trace: Path, out: Path, compare: Path | None, as_json: bool) -> None:
+def plot_timeline(trace: Path, out: Path, compare: Path | None, step: int | str | None,
+                  window: tuple[float, float] | None, as_json: bool) -> None:
     """Bubble timeline of a trace: one row per rank, compute and communication apart."""
     from dflop.trace.chrome import load_trace
     from dflop.trace.metrics import metrics
-    from dflop.viz.timeline import plot_timeline
+    from dflop.viz.timeline import draw, layout
 
     doc = load_trace(trace)
     other = load_trace(compare) if compare is not None else None
-    path = plot_timeline(doc, out, compare=other,
-                         labels=(trace.stem, compare.stem) if compare is not None else ("", ""))
-    data = {"out": str(path), "metrics": metrics(doc).as_dict()}
+    labels = (trace.stem, compare.stem) if compare is not None else ("", "")
+    drawn = layout(doc, compare=other, labels=labels, step=step, window=window)
+    path = draw(drawn, out)
+    data = {"out": str(path), "metrics": metrics(doc).as_dict(), "step": step or 1, "window": list(drawn.window),
+            "panels": [{"title": p.title, "rows": len(p.rows), "bars": p.counts()} for p in drawn.panels]}
+    emit(data, as_json, lambda r: f"timeline -> {r['out']} ({r['panels'][0]['title'].splitlines()[-1]})")
 
-    def human(r: dict[str, Any]) -> str:
-        m = r["metrics"]
-        if not m["steps"]:
-            return f"timeline -> {r['out']} (no steps in the trace)"
-        bubbles = "-" if m["bubble_fraction"] is None else f"{m['bubble_fraction']:.1%}"
-        return f"timeline -> {r['out']} (step {m['step_time_s']['mean']:.3f} s, bubbles {bubbles})"
 
-    emit(data, as_json, human)
+@cli.command("export")
+@click.argument("plan_path", metavar="PLAN", type=click.Path(path_type=Path))
+@click.option("--to", "target", type=click.Choice(["megatron", "torchtitan"], case_sensitive=False), required=True,
+              help="megatron: Megatron-LM launch flags; torchtitan: a job config TOML fragment.")
+@click.option("--config", type=click.Path(path_type=Path),
+              help="Run config giving the model and the training settings (default: the embedded one).")
+@click.option("--global-batch", type=click.IntRange(1, MAX_GLOBAL_BATCH),
+              help="Samples per step (default: the config's).")
+@json_option
+def export(plan_path: Path, target: str, config: Path | None, global_batch: int | None, as_json: bool) -> None:
+    """Write a plan as another framework's launch arguments; say what that framework cannot express."""
+    from dataclasses import replace
+
+    from dflop.config_check import check_plan, load_config
+    from dflop.export import export_plan
+    from dflop.specs.loading import load_spec
+    from dflop.specs.plan import Plan
+
+    plan = load_spec(Plan, plan_path)
+    run_config = load_config(config)
+    per_node = run_config.cluster.gpus_per_node  # the plan's own GPU count, in nodes of the config's hardware
+    check_plan(plan, f"{plan_path}:", run_config, replace(run_config.cluster, nodes=-(-plan.gpus // per_node)),
+               global_batch)
+    result = export_plan(plan, run_config.model, target, training=run_config.training,
+                         global_batch=global_batch or run_config.training.global_batch)
+    emit(result.as_dict(), as_json, lambda r: r["text"])
 
 
 # ---- entry point -----------------------------------------------------------------------------

@@ -42,6 +42,9 @@ from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIN_SAMPLE_MS = {"cpu": 20.0, "cuda": 1.0}
+REPEATS = {"cpu": 7, "cuda": 20}
+"""Timed repeats per shape unless told otherwise."""
+WARMUP = 2
 Progress = Callable[[str, int, int], None]
 
 
@@ -235,10 +238,21 @@ class ProfileReport:
     store: Path
 
 
-def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
-                  tps: tuple[int, ...] = (1,), grid: str | None = None, llm: str | None = None,
-                  warmup: int = 2, repeats: int | None = None,
-                  progress: Progress | None = None) -> ProfileReport:
+@dataclass(frozen=True)
+class Request:
+    """A `profile model` request with every option checked, before anything is said or measured."""
+
+    kind: str
+    spec: EncoderSpec | LLMSpec
+    pair: MLLMSpec | None
+    dtype: str
+    torch_dtype: torch.dtype
+    grid: Any
+    store: ProfileStore
+
+
+def check_request(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
+                  grid: str | None = None, llm: str | None = None) -> Request:
     kind, spec = resolve(name)
     pair = None
     if kind == "encoder":
@@ -251,27 +265,36 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
     if grid not in (None, *GRIDS):
         raise DflopError(f"--grid {grid}: unknown (known: {', '.join(GRIDS)})")
     store = ProfileStore.in_dir(out)
-    chosen = GRIDS[grid or ("gpu" if device == "cuda" else "cpu")]
-    repeats = repeats or (20 if device == "cuda" else 7)
-    done = {record_key(r) for r in store.read()}
-    todo = [(tp, job) for tp in tps for job in jobs(kind, spec, pair, tp, chosen, torch_dtype, device)]
+    store.read()  # a store that cannot be read fails here, not after the first shape
+    return Request(kind, spec, pair, dtype, torch_dtype, GRIDS[grid or ("gpu" if device == "cuda" else "cpu")],
+                   store)
+
+
+def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
+                  tps: tuple[int, ...] = (1,), grid: str | None = None, llm: str | None = None,
+                  warmup: int = WARMUP, repeats: int | None = None,
+                  progress: Progress | None = None) -> ProfileReport:
+    r = check_request(name, out, device=device, dtype=dtype, grid=grid, llm=llm)
+    repeats = repeats or REPEATS[device]
+    done = {record_key(rec) for rec in r.store.read()}
+    todo = [(tp, job) for tp in tps for job in jobs(r.kind, r.spec, r.pair, tp, r.grid, r.torch_dtype, device)]
     where = device_name(device)
-    base = {"device": where, "module": kind, "model": spec.name, "dtype": dtype}
-    report = ProfileReport(0, 0, store.path)
+    base = {"device": where, "module": r.kind, "model": r.spec.name, "dtype": r.dtype}
+    report = ProfileReport(0, 0, r.store.path)
     torch.manual_seed(0)
     for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(todo):
         record = {**base, "tp": tp, "phase": phase, "shape": shape}
         if progress is not None:
-            progress(f"{spec.name} tp{tp} {phase} {shape}", index, len(todo))
+            progress(f"{r.spec.name} tp{tp} {phase} {shape}", index, len(todo))
         if record_key(record) in done:
             report.reused += 1
             continue
         module = make_module()
         figures = measure(module, make_inputs, device, warmup, repeats)
-        store.append({**record, **figures, "holdout": holdout, "repeats": repeats,
+        r.store.append({**record, **figures, "holdout": holdout, "repeats": repeats,
                       "torch": torch.__version__,
                       "threads": torch.get_num_threads(), "measured_at": datetime.now(timezone.utc).isoformat()})
         report.measured += 1
     if progress is not None:
-        progress(f"{spec.name} done", len(todo), len(todo))
+        progress(f"{r.spec.name} done", len(todo), len(todo))
     return report

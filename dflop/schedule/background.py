@@ -1,14 +1,23 @@
 """Scheduling ahead of training, off the critical path.
 
-A background thread takes global batches in order and solves step t+1, t+2,
-... (at most ``lookahead`` ahead) while step t runs, each under a deadline
-derived from the expected step time. ``get(t)`` hands out step t's schedule;
-if the worker has not finished it by then, the heuristic answer is computed
-on the spot and becomes step t's schedule (the worker's late answer is
-dropped), so a slow solve never blocks a step. Whatever ``get`` returns is
-checked to hold every sample of the batch exactly once and published to a
-channel, from which every other rank reads the very same schedule. A worker
-that crashes makes ``get`` raise, never hang.
+A background thread solves the steps ahead of the consumer (at most
+``lookahead`` past the step it will ask for next), each solve allowed
+``deadline`` seconds. ``get(t)`` hands out step t's schedule, and step t's
+deadline runs from that call (the step is due), whatever the worker is doing:
+the solver's schedule if it is there by then, otherwise the fallback's (a fast
+heuristic, computed on the spot). A late answer for a step already served is
+discarded when it comes.
+
+A solve that raises, or returns a schedule that does not hold exactly its
+batch's samples, is recorded in ``failures`` and its step gets the fallback's
+schedule at once: one bad solve costs one step its balance, never a step, and
+never a step solved before it. Batches are taken from the stream by whoever
+needs one first (the worker or ``get``), so a solve that never returns holds
+up no step: the steps after it are served by the fallback, each by its
+deadline. Whatever ``get`` returns is checked to hold every sample of the
+batch exactly once and published to a channel, from which every other rank
+reads the very same schedule. A batch stream that ends or fails, or a fallback
+that fails, makes ``get`` raise for that step, never hang.
 """
 
 from __future__ import annotations
@@ -16,12 +25,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
 from dflop.errors import DflopError
 from dflop.schedule.step import StepSchedule
+from dflop.specs import scheduling
 from dflop.workload.sample import SampleTable
 
 Solve = Callable[[SampleTable, float], StepSchedule]
@@ -95,10 +104,37 @@ def check_schedule(batch: SampleTable, schedule: StepSchedule) -> None:
         raise SchedulerError("a schedule puts a sample in a bin that does not exist")
 
 
-@dataclass
-class _Slot:
-    batch: SampleTable
-    schedule: StepSchedule | None = None
+class _Feed:
+    """The batch stream, taken in order by whichever thread needs a step's batch first."""
+
+    def __init__(self, batches: Iterator[SampleTable]) -> None:
+        self._batches, self._lock = batches, threading.Lock()
+        self._taken: dict[int, SampleTable] = {}
+        self._count = 0
+        self._end: str | None = None
+        """Why the stream gives no more batches, once it does not."""
+
+    def batch(self, step: int) -> SampleTable | None:
+        with self._lock:
+            while self._count <= step and self._end is None:
+                try:
+                    self._taken[self._count] = next(self._batches)
+                    self._count += 1
+                except StopIteration:
+                    self._end = "the batch stream ended"
+                except Exception as exc:  # reported for the step that needed it
+                    self._end = f"the batch stream failed: {type(exc).__name__}: {exc}"
+            return self._taken.get(step)
+
+    def exhausted(self, step: int) -> bool:
+        return step >= self._count and self._end is not None
+
+    def why_not(self, step: int) -> str:
+        return f"no batch for step {step}: {self._end}"
+
+    def drop(self, step: int) -> None:
+        with self._lock:
+            self._taken.pop(step, None)
 
 
 class AsyncScheduler:
@@ -106,20 +142,22 @@ class AsyncScheduler:
 
     def __init__(self, batches: Iterator[SampleTable], solve: Solve, fallback: Fallback, *,
                  deadline: float, lookahead: int = 2, channel: Channel | None = None) -> None:
-        if deadline <= 0 or lookahead < 1:
-            raise DflopError("deadline must be positive and lookahead at least 1")
-        self._batches, self._solve, self._fallback = batches, solve, fallback
-        self.deadline, self.lookahead = deadline, lookahead
+        self.deadline = scheduling.time_limit(deadline, "deadline")
+        self.lookahead = scheduling.whole_number(lookahead, "lookahead", 1)
+        self._feed, self._solve, self._fallback = _Feed(batches), solve, fallback
         self.channel = channel or MemoryChannel()
-        self._slots: dict[int, _Slot] = {}
+        self._solved: dict[int, StepSchedule] = {}
+        self._failed: set[int] = set()
         self._next_get = 0
-        self._error: BaseException | None = None
-        self._error_step = -1
         self._stop = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._work, name="dflop-scheduler", daemon=True)
         self.late = 0
-        """Steps whose schedule came from the fallback because the solve was late."""
+        """Steps served by the fallback because their solve was not done by their deadline."""
+        self.failures: list[str] = []
+        """One line per solve that raised or returned a wrong schedule (its step got the fallback)."""
+        self.discarded = 0
+        """Solves that finished after their step had been served."""
 
     def __enter__(self) -> "AsyncScheduler":
         self._thread.start()
@@ -129,66 +167,72 @@ class AsyncScheduler:
         self.close()
 
     def close(self) -> None:
+        """Stop the worker; a solve that never returns is left behind (the thread is a daemon)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join(timeout=max(1.0, 2 * self.deadline))
+        if self._thread.ident is not None:
+            self._thread.join(timeout=max(1.0, 2 * self.deadline))
 
     def _work(self) -> None:
         step = 0
-        try:
-            while True:
-                with self._cond:
-                    self._cond.wait_for(lambda: self._stop or step - self._next_get < self.lookahead)
-                    if self._stop:
-                        return
-                batch = next(self._batches, None)
-                if batch is None:
-                    return
-                with self._cond:
-                    self._slots[step] = _Slot(batch)
-                    self._cond.notify_all()
-                schedule = self._solve(batch, self.deadline)
-                with self._cond:
-                    slot = self._slots.get(step)
-                    if slot is not None and slot.schedule is None:
-                        slot.schedule = schedule
-                    self._cond.notify_all()
-                step += 1
-        except BaseException as exc:  # surfaced by get(), never swallowed
+        while True:
             with self._cond:
-                self._error, self._error_step = exc, step
-                self._cond.notify_all()
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise SchedulerError(f"the scheduler worker failed at step {self._error_step}: "
-                                 f"{type(self._error).__name__}: {self._error}") from self._error
-        finished = self._thread.ident is not None and not self._thread.is_alive()
-        if finished and self._next_get not in self._slots:
-            raise SchedulerError(f"no batch for step {self._next_get}: the batch stream ended")
+                self._cond.wait_for(lambda: self._stop or step - self._next_get < self.lookahead)
+                if self._stop:
+                    return
+                step = max(step, self._next_get)  # steps already served need no solve
+            batch = self._feed.batch(step)
+            if batch is None:
+                if self._feed.exhausted(step):
+                    return
+                step += 1  # served (and dropped) while this thread looked away
+                continue
+            try:
+                schedule = self._solve(batch, self.deadline)
+                check_schedule(batch, schedule)
+            except Exception as exc:  # this step gets the fallback; the worker goes on
+                with self._cond:
+                    self.failures.append(f"step {step}: {type(exc).__name__}: {exc}")
+                    self._failed.add(step)
+                    self._cond.notify_all()
+            else:
+                with self._cond:
+                    if step >= self._next_get:
+                        self._solved[step] = schedule
+                    else:
+                        self.discarded += 1
+                    self._cond.notify_all()
+            step += 1
 
     def get(self, step: int) -> tuple[SampleTable, StepSchedule]:
-        """Step ``step``'s batch and schedule (steps are taken in order)."""
+        """Step ``step``'s batch and schedule (steps are taken in order), by ``deadline`` seconds
+        from this call plus the fallback's time."""
         if step != self._next_get:
             raise DflopError(f"steps are taken in order: expected step {self._next_get}, got {step}")
-        give_up = time.monotonic() + self.deadline
+        due = time.monotonic() + self.deadline
+        batch = self._feed.batch(step)
+        if batch is None:
+            raise SchedulerError(self._feed.why_not(step))
         with self._cond:
-            while True:
-                self._raise_if_failed()
-                slot = self._slots.get(step)
-                if slot is not None and slot.schedule is not None:
-                    break
-                remaining = give_up - time.monotonic()
-                if slot is not None and remaining <= 0:
-                    slot.schedule = self._fallback(slot.batch)  # late: decide now, drop the worker's
-                    self.late += 1
-                    break
-                self._cond.wait(timeout=max(remaining, 0.005) if slot is not None else 0.05)
-            self._slots.pop(step)
+            while step not in self._solved and step not in self._failed and time.monotonic() < due:
+                self._cond.wait(timeout=max(due - time.monotonic(), 0.0))
+            schedule = self._solved.pop(step, None)
+            if schedule is None and step not in self._failed:
+                self.late += 1
+            self._failed.discard(step)
             self._next_get += 1
             self._cond.notify_all()
-        check_schedule(slot.batch, slot.schedule)
-        self.channel.publish(step, slot.schedule)
-        return slot.batch, slot.schedule
+        self._feed.drop(step)
+        if schedule is None:
+            schedule = self._fallback_for(step, batch)
+        self.channel.publish(step, schedule)
+        return batch, schedule
 
+    def _fallback_for(self, step: int, batch: SampleTable) -> StepSchedule:
+        try:
+            schedule = self._fallback(batch)
+            check_schedule(batch, schedule)
+        except Exception as exc:
+            raise SchedulerError(f"step {step}: the fallback scheduler failed: {type(exc).__name__}: {exc}") from exc
+        return schedule

@@ -125,7 +125,8 @@ def random_split(problem: PartitionProblem, seed: int = 0) -> np.ndarray:
 
 
 def repair(problem: PartitionProblem, assignment: np.ndarray) -> np.ndarray:
-    """Refill empty bins and move items out of bins over a cap (smallest moves first)."""
+    """Refill empty bins and move items out of bins over a cap: the cheapest item that fits in
+    another bin, to the one it leaves lightest."""
     assignment = assignment.copy()
     k = problem.bins
     count = np.bincount(assignment, minlength=k)
@@ -146,11 +147,15 @@ def repair(problem: PartitionProblem, assignment: np.ndarray) -> np.ndarray:
     for b in range(k):
         while (held[b] > problem.caps * (1 + 1e-9)).any():
             items = np.flatnonzero(assignment == b)
-            item = items[np.argmin(costs[items].max(axis=1))]
-            room = _room(problem, held, item)
-            room[b] = False
-            if not room.any() or len(items) == 1:
-                raise _no_room(problem, item)
+            if len(items) == 1:
+                raise _no_room(problem, int(items[0]))
+            for item in items[np.argsort(costs[items].max(axis=1), kind="stable")]:  # cheapest that fits
+                room = _room(problem, held, item)
+                room[b] = False
+                if room.any():
+                    break
+            else:
+                raise _no_room(problem, int(items[0]))
             target = int(np.argmin(np.where(room, (loads + costs[item]).max(axis=1), np.inf)))
             assignment[item] = target
             held[b] -= problem.resources[item]

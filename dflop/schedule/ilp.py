@@ -1,20 +1,31 @@
-"""The ILP partitioner (python-mip, CBC or HiGHS) with cost-class aggregation.
+"""The integer program, on aggregated item classes, solved in a child process it cannot outlive.
 
-One boolean per (sample, bin) grows as N x K and stalls on large batches.
-Here samples with (nearly) equal cost vectors form a class and the model
-chooses how many samples of each class go to each bin: integer x[c, b] with
-sum_b x[c, b] = |c|, bin loads sum_c cost[c] x[c, b] <= z, minimise z. Bins
-are interchangeable, so their loads on the first dimension are ordered
-(symmetry breaking); the model is warm-started from the best heuristic and
-stopped at the deadline with its best incumbent. Classes use the mean cost of
-their members; mapping counts back to samples and an exact local improvement
-step repair what that rounding costs. The solver's bound is a proven lower
-bound only when classes are exact (members identical), and only then is it
-reported.
+Items whose costs agree (to a resolution chosen to leave at most
+MAX_CLASSES classes) form a class; the model chooses how many members of each
+class every bin gets (one integer per class and bin), minimising z >= every
+bin's load in every dimension, with z bounded below by the problem's own
+bound and bins ordered by their first-dimension load (symmetry). When the
+classes are exact (every member of a class costs the same) the solver's bound
+is a proof; otherwise the answer is mapped back to items. Either way the
+better of it and the warm start is improved by the exchange search until the
+deadline.
+
+Why a child process: HiGHS checks its clock between phases, not inside them.
+Its root heuristics (randomized rounding after the first LP, central rounding
+towards the analytic centre) call ``tryRoundedPoint``, which fixes every
+integer column in turn and propagates after each fix; on the 4096 x 64 model
+(6,144 integer columns) one such pass takes seconds, and no option switches it
+off (measured with perf: 67% of an 8 s solve under a 0.7 s limit). So the
+solve runs in a forked child that the parent kills at the deadline, keeping
+the warm start; the child also points its stdout at stderr, so no solver
+message lands in a command's JSON. Where fork is not available the solve runs
+in-process under the solver's own limit.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 from dataclasses import dataclass
 
@@ -22,11 +33,15 @@ import mip
 import numpy as np
 
 from dflop.errors import DflopError
-from dflop.schedule.improve import improve
+from dflop.schedule.exchange import exchange_search
 from dflop.schedule.problem import PartitionProblem
 
 MAX_CLASSES = 96
 BACKENDS = {"cbc": mip.CBC, "highs": mip.HIGHS}
+RESERVE = 0.05
+"""Share of the time limit kept for mapping the answer back to items and improving it."""
+GRACE = 0.02
+"""Seconds the parent waits past the child's deadline before killing it."""
 
 
 @dataclass(frozen=True)
@@ -68,32 +83,112 @@ def make_classes(problem: PartitionProblem, max_classes: int = MAX_CLASSES) -> C
 
 
 def _to_items(problem: PartitionProblem, classes: Classes, counts: np.ndarray) -> np.ndarray:
-    """Give every bin the number of members of each class the model chose, big members first
-    to the bins lightest so far."""
+    """Every bin gets the number of members of each class the model chose (members of a class
+    cost alike, so which ones matters little; the exchange search settles the rest)."""
     assignment = np.empty(problem.n, dtype=np.int64)
-    loads = np.zeros((problem.bins, problem.dims))
-    by_size = np.argsort(-problem.costs.max(axis=1), kind="stable")
-    remaining = counts.copy()
-    for item in by_size:
-        c = classes.of[item]
-        open_bins = np.flatnonzero(remaining[c] > 0)
-        b = open_bins[np.argmin(loads[open_bins].max(axis=1))]
-        assignment[item] = b
-        remaining[c, b] -= 1
-        loads[b] += problem.costs[item]
+    by_class = np.argsort(classes.of, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(classes.count)])
+    for c in range(len(classes.count)):
+        assignment[by_class[starts[c]:starts[c + 1]]] = np.repeat(np.arange(problem.bins), counts[c])
     return assignment
 
 
 @dataclass(frozen=True)
 class IlpOutcome:
-    assignment: np.ndarray
+    assignment: np.ndarray | None
+    """The best found (the warm start when the ILP found nothing better); None without either."""
     proven_bound: float | None
     solver_status: str
 
 
-def solve(problem: PartitionProblem, warm: np.ndarray, *, time_limit: float, backend: str = "cbc",
+@dataclass(frozen=True)
+class _Model:
+    """What the child needs: the class model's numbers, no Python objects from the caller."""
+    cost: np.ndarray
+    count: np.ndarray
+    resource: np.ndarray | None
+    caps: np.ndarray | None
+    bins: int
+    floor: float
+    start: np.ndarray | None
+    backend: str
+    seed: int
+    node_limit: int | None
+
+
+def _solve_model(m: _Model, deadline: float) -> tuple[np.ndarray | None, float | None, str]:
+    """Build and solve; (counts, proven bound, solver status)."""
+    n_classes, k = m.cost.shape[0], m.bins
+    model = mip.Model(sense=mip.MINIMIZE, solver_name=BACKENDS[m.backend])
+    model.verbose, model.threads, model.seed = 0, 1, m.seed
+    model.max_mip_gap, model.max_mip_gap_abs = 1e-9, 1e-12  # close the gap: the bound is the point
+    x = [[model.add_var(var_type=mip.INTEGER, lb=0, ub=int(m.count[c])) for b in range(k)] for c in range(n_classes)]
+    z = model.add_var(lb=m.floor)
+    model.objective = z
+    for c in range(n_classes):
+        model.add_constr(mip.LinExpr(variables=x[c], coeffs=[1.0] * k) == int(m.count[c]))
+    ones = [1.0] * n_classes
+    for b in range(k):
+        column = [x[c][b] for c in range(n_classes)]
+        model.add_constr(mip.LinExpr(variables=column, coeffs=ones) >= 1)
+        for d in range(m.cost.shape[1]):
+            model.add_constr(mip.LinExpr(variables=column + [z], coeffs=m.cost[:, d].tolist() + [-1.0]) <= 0)
+        if m.resource is not None:
+            for r, cap in enumerate(m.caps):
+                model.add_constr(mip.LinExpr(variables=column, coeffs=m.resource[:, r].tolist()) <= float(cap))
+        if b + 1 < k:  # symmetry: bins ordered by their first-dimension load
+            following = [x[c][b + 1] for c in range(n_classes)]
+            model.add_constr(mip.LinExpr(variables=column + following,
+                                         coeffs=m.cost[:, 0].tolist() + (-m.cost[:, 0]).tolist()) >= 0)
+    if m.start is not None:
+        model.start = [(x[c][b], float(m.start[c, b])) for c in range(n_classes) for b in range(k) if m.start[c, b]]
+    remaining = deadline - time.perf_counter()
+    if remaining <= 0:
+        return None, None, "no time left"
+    limits = {"max_nodes": m.node_limit} if m.node_limit is not None else {}
+    status = model.optimize(max_seconds=remaining, **limits)
+    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) or not model.num_solutions:
+        return None, None, status.name.lower()
+    counts = np.rint([[x[c][b].x for b in range(k)] for c in range(n_classes)]).astype(np.int64)
+    return counts, float(model.objective_bound), status.name.lower()
+
+
+def _child(connection, m: _Model, deadline: float) -> None:
+    os.dup2(2, 1)  # solver messages go to stderr, never into the parent's stdout
+    try:
+        connection.send(_solve_model(m, deadline))
+    except Exception as exc:  # reported to the parent, which keeps its warm start
+        connection.send((None, None, f"failed: {type(exc).__name__}: {exc}"))
+
+
+def _run(m: _Model, deadline: float) -> tuple[np.ndarray | None, float | None, str]:
+    """``_solve_model`` in a forked child, killed if it has not answered by ``deadline`` + GRACE."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return _solve_model(m, deadline)
+    if m.backend == "highs":
+        import mip.highs  # noqa: F401  load the library once here, not in every child
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(send, m, deadline), daemon=True)
+    child.start()
+    send.close()
+    try:
+        if receive.poll(max(deadline - time.perf_counter(), 0.0) + GRACE):
+            return receive.recv()
+        return None, None, "killed at the time limit"
+    except EOFError:
+        return None, None, f"the solver process died (exit code {child.exitcode})"
+    finally:
+        receive.close()
+        if child.is_alive():
+            child.kill()
+        child.join()
+
+
+def solve(problem: PartitionProblem, warm: np.ndarray | None, *, time_limit: float, backend: str = "cbc",
           seed: int = 0, node_limit: int | None = None) -> IlpOutcome:
-    """Improve on ``warm`` within ``time_limit`` seconds; never returns worse than ``warm``.
+    """Improve on ``warm`` within ``time_limit`` seconds of wall time, model building included;
+    never returns worse than ``warm``.
 
     With ``node_limit`` the search also stops after that many branch-and-bound nodes, which
     (unlike wall time) makes the answer repeatable. Costs enter the model divided by the
@@ -102,71 +197,25 @@ def solve(problem: PartitionProblem, warm: np.ndarray, *, time_limit: float, bac
     if backend not in BACKENDS:
         raise DflopError(f"unknown ILP backend '{backend}' (known: {', '.join(BACKENDS)})")
     classes = make_classes(problem)
-    k, n_classes = problem.bins, len(classes.count)
     unit = float(classes.cost.max()) or 1.0
     cost = np.round(classes.cost / unit, 12)
-    model = mip.Model(sense=mip.MINIMIZE, solver_name=BACKENDS[backend])
-    model.verbose = 0
-    model.threads = 1
-    model.seed = seed
-    x = [[model.add_var(var_type=mip.INTEGER, lb=0, ub=int(classes.count[c])) for b in range(k)]
-         for c in range(n_classes)]
-    z = model.add_var(lb=0.0)
-    model.objective = z
-    for c in range(n_classes):
-        model += mip.xsum(x[c]) == int(classes.count[c])
-    for b in range(k):
-        model += mip.xsum(x[c][b] for c in range(n_classes)) >= 1
-        for d in range(problem.dims):
-            model += mip.xsum(float(cost[c, d]) * x[c][b] for c in range(n_classes)) <= z
-        if classes.resource is not None:
-            for r, cap in enumerate(problem.caps):
-                model += mip.xsum(float(classes.resource[c, r]) * x[c][b] for c in range(n_classes)) <= float(cap)
-        if b + 1 < k:  # symmetry: bins ordered by their first-dimension load
-            model += (mip.xsum(float(cost[c, 0]) * x[c][b] for c in range(n_classes))
-                      >= mip.xsum(float(cost[c, 0]) * x[c][b + 1] for c in range(n_classes)))
-    warm_counts = np.zeros((n_classes, k), dtype=np.int64)
-    np.add.at(warm_counts, (classes.of, warm), 1)
-    rank = np.argsort(-(cost[:, 0] @ warm_counts), kind="stable")
-    warm_counts = warm_counts[:, rank]
-    if classes.resource is None or ((classes.resource.T @ warm_counts) <= problem.caps[:, None]).all():
-        model.start = [(x[c][b], float(warm_counts[c, b])) for c in range(n_classes) for b in range(k)
-                       if warm_counts[c, b]]
-    remaining = time_limit - (time.perf_counter() - start)
-    limits = {"max_nodes": node_limit} if node_limit is not None else {}
-    status = (model.optimize(max_seconds=max(remaining, 0.01), **limits) if remaining > 0
-              else mip.OptimizationStatus.OTHER)
+    start_counts = None
+    if warm is not None:
+        start_counts = np.zeros((len(classes.count), problem.bins), dtype=np.int64)
+        np.add.at(start_counts, (classes.of, warm), 1)
+        start_counts = start_counts[:, np.argsort(-(cost[:, 0] @ start_counts), kind="stable")]
+        if classes.resource is not None and ((classes.resource.T @ start_counts) > problem.caps[:, None]).any():
+            start_counts = None  # classes hold their largest member's needs: the start may not fit
+    model = _Model(cost, classes.count, classes.resource, problem.caps, problem.bins,
+                   np.round(problem.lower_bound() / unit, 12), start_counts, backend, seed, node_limit)
+    deadline = start + time_limit
+    counts, bound, status = _run(model, deadline - RESERVE * time_limit)
     best = warm
-    if status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) and model.num_solutions:
-        counts = np.rint([[x[c][b].x for b in range(k)] for c in range(n_classes)]).astype(np.int64)
-        if (counts.sum(axis=1) == classes.count).all() and (counts.sum(axis=0) >= 1).all():
-            candidate = _to_items(problem, classes, counts)
-            deadline = start + time_limit
-            candidate = improve(problem, candidate, deadline=max(deadline, time.perf_counter() + 0.05))
-            if problem.feasible(candidate) and problem.makespan(candidate) < problem.makespan(best):
-                best = candidate
-    proven = None
-    if classes.exact and status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-        proven = float(model.objective_bound) * unit
-    return IlpOutcome(best, proven, status.name.lower())
-
-
-def solve_reference(problem: PartitionProblem, *, time_limit: float, backend: str = "cbc") -> np.ndarray | None:
-    """The textbook model, one boolean per (item, bin): the baseline the benchmark compares to.
-    Returns None when no solution was found in time."""
-    k = problem.bins
-    model = mip.Model(sense=mip.MINIMIZE, solver_name=BACKENDS[backend])
-    model.verbose = 0
-    model.threads = 1
-    x = [[model.add_var(var_type=mip.BINARY) for _ in range(k)] for _ in range(problem.n)]
-    z = model.add_var(lb=0.0)
-    model.objective = z
-    for i in range(problem.n):
-        model += mip.xsum(x[i]) == 1
-    for b in range(k):
-        for d in range(problem.dims):
-            model += mip.xsum(float(problem.costs[i, d]) * x[i][b] for i in range(problem.n)) <= z
-    status = model.optimize(max_seconds=time_limit)
-    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-        return None
-    return np.array([int(np.argmax([v.x for v in row])) for row in x], dtype=np.int64)
+    if counts is not None and (counts.sum(axis=1) == classes.count).all() and (counts.sum(axis=0) >= 1).all():
+        candidate = _to_items(problem, classes, counts)
+        if problem.feasible(candidate) and (best is None or problem.makespan(candidate) < problem.makespan(best)):
+            best = candidate
+    if best is not None:
+        best = exchange_search(problem, best, deadline=deadline)
+    proven = bound * unit if classes.exact and bound is not None else None
+    return IlpOutcome(best, proven, status)

@@ -5,19 +5,54 @@ stage); K bins; optional per-bin caps on resources (LLM tokens, tiles) so
 that no bin exceeds what fits in memory. The makespan is the largest summed
 cost over bins and dimensions; the lower bound is the best the problem itself
 proves (never a solver's hope).
+
+Every entry point (library, `dflop schedule`, the sampler, the step scheduler)
+builds a PartitionProblem, so its checks are the one numeric validation of
+costs: finite, non-negative, and with totals a float can hold (a sum that
+overflows would make every bound and gap meaningless).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Sequence
 
 import numpy as np
 
 from dflop.errors import DflopError, InfeasibleError
 
-STATUSES = ("optimal", "feasible", "heuristic")
 REL_EPS = 1e-9
+
+
+class Status(StrEnum):
+    """How much a partition's quality is known (the same words for every solver)."""
+
+    OPTIMAL = "optimal"
+    """The makespan equals a proven lower bound (the problem's own, or the ILP's)."""
+    FEASIBLE = "feasible"
+    """A search for better partitions ran (exchange search, ILP) and stopped without a proof:
+    at its deadline, at a local optimum, or within the good-enough gap."""
+    HEURISTIC = "heuristic"
+    """One constructive pass (lpt, kk, sequential, random): nothing searched for better."""
+
+
+def _check_numbers(values: np.ndarray, what: str, name) -> None:
+    """Finite, non-negative entries whose column totals a float can hold; errors name the item."""
+    bad = np.argwhere(~np.isfinite(values) | (values < 0))
+    if len(bad):
+        i, d = bad[0]
+        raise DflopError(f"{what}: item {name(i)} has {what[:-1]} {float(values[i, d])!r} in dimension {d}; "
+                         f"expected a finite number >= 0")
+    with np.errstate(over="ignore"):
+        totals = values.sum(axis=0)
+    over = np.flatnonzero(~np.isfinite(totals))
+    if len(over):
+        d = over[0]
+        i = int(np.argmax(values[:, d]))
+        raise DflopError(f"{what}: the total of dimension {d} is beyond the float range (item {name(i)} alone "
+                         f"has {values[i, d]:g}); rescale them (e.g. seconds instead of nanoseconds)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,8 +74,9 @@ class PartitionProblem:
         n = len(costs)
         if costs.ndim != 2 or costs.shape[1] < 1:
             raise DflopError("costs: expected one cost vector per item")
-        if not np.isfinite(costs).all() or (costs < 0).any():
-            raise DflopError("costs: every cost must be a finite number >= 0")
+        if self.ids is not None and len(self.ids) != n:
+            raise DflopError(f"ids: {len(self.ids)} ids for {n} items")
+        _check_numbers(costs, "costs", self.name)
         if self.bins < 1:
             raise DflopError(f"bins: must be at least 1, got {self.bins}")
         if n < self.bins:
@@ -54,6 +90,9 @@ class PartitionProblem:
             object.__setattr__(self, "caps", caps)
             if res.shape[1] != len(caps):
                 raise DflopError(f"caps: {len(caps)} caps for {res.shape[1]} resources")
+            _check_numbers(res, "resources", self.name)
+            if not (np.isfinite(caps) & (caps > 0)).all():
+                raise DflopError(f"caps: every cap must be a finite number above 0, got {caps.tolist()}")
             over = np.argwhere(res > caps[None, :])
             if len(over):
                 i, r = over[0]
@@ -75,7 +114,11 @@ class PartitionProblem:
         return self.costs.shape[1]
 
     def name(self, i: int) -> str:
-        return str(self.ids[i]) if self.ids is not None else str(i)
+        """Item ``i`` as messages name it: its id as JSON writes it (or its index)."""
+        if self.ids is None:
+            return str(i)
+        key = self.ids[i]
+        return key if isinstance(key, str) else json.dumps(key) if isinstance(key, (bool, int, float)) else str(key)
 
     def loads(self, assignment: np.ndarray) -> np.ndarray:
         return np.stack([np.bincount(assignment, weights=self.costs[:, d], minlength=self.bins)
@@ -111,7 +154,7 @@ class Partition:
     """Bin of every item."""
     makespan: float
     lower_bound: float
-    status: str
+    status: Status
     solver: str
     seconds: float
     loads: np.ndarray
@@ -129,18 +172,19 @@ class Partition:
 
 def finish(problem: PartitionProblem, assignment: np.ndarray, solver: str, seconds: float,
            proven_bound: float | None = None, searched: bool = False) -> Partition:
-    """Wrap an assignment as a Partition with an honest status."""
+    """Wrap an assignment as a Partition with an honest status (``searched``: a search for better
+    partitions ran, see :class:`Status`)."""
     assignment = np.asarray(assignment, dtype=np.int64)
     check_assignment(problem, assignment)
     loads = problem.loads(assignment)
     makespan = float(loads.max())
     bound = problem.lower_bound()
-    if proven_bound is not None:
-        bound = max(bound, min(proven_bound, makespan))
+    if proven_bound is not None:  # a proof within the solver's tolerance is a proof
+        bound = max(bound, makespan if proven_bound >= makespan * (1 - REL_EPS) else proven_bound)
     if makespan <= bound * (1 + REL_EPS):
-        status = "optimal"
+        status = Status.OPTIMAL
     else:
-        status = "feasible" if searched else "heuristic"
+        status = Status.FEASIBLE if searched else Status.HEURISTIC
     return Partition(assignment, makespan, bound, status, solver, seconds, loads)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from dflop.errors import DflopError
 from dflop.schedule.problem import PartitionProblem
 from dflop.schedule.solve import partition
+from dflop.specs import scheduling
 from dflop.workload.data_profile import DataProfile
 from dflop.workload.sample import Sample, SampleTable
 
@@ -44,26 +45,42 @@ class BalancedBatchSampler:
     ``global_batch`` indices of a seeded per-epoch permutation, split into
     ``dp_size x microbatches`` balanced bins; rank ``dp_rank`` gets row
     ``dp_rank`` of them, one microbatch per iteration.
+
+    The last ``len % global_batch`` indices of an epoch's permutation are the
+    tail. With ``drop_last`` (the default) the tail is dropped: every other
+    sample comes once per epoch. Without it the tail is a last, shorter global
+    batch of ``microbatches' = min(microbatches, tail // dp_size)`` (at least 1)
+    microbatches per rank, so every sample comes exactly once per epoch; only
+    when the tail has fewer samples than ranks do some ranks get an empty
+    microbatch (a list with no index) for it.
     """
 
     def __init__(self, shapes: DataProfile | SampleTable | Callable[[int], Sample], *, global_batch: int,
                  dp_size: int, dp_rank: int, microbatches: int, dataset_size: int | None = None,
                  costs: Costs | None = None, solver: str = "lpt", seed: int = 0, shuffle: bool = True,
                  drop_last: bool = True) -> None:
-        self.table = self._table(shapes, dataset_size)
-        if solver not in DETERMINISTIC:
+        self.global_batch = scheduling.whole_number(global_batch, "global_batch", 1)
+        self.dp_size = scheduling.whole_number(dp_size, "dp_size", 1)
+        self.microbatches = scheduling.whole_number(microbatches, "microbatches", 1)
+        self.dp_rank = scheduling.whole_number(dp_rank, "dp_rank", 0)
+        if self.dp_rank >= self.dp_size:
+            raise DflopError(f"dp_rank {dp_rank} is outside 0..{self.dp_size - 1}")
+        self.seed = scheduling.whole_number(seed, "seed", 0)
+        self.solver = scheduling.solver(solver).value
+        if self.solver not in DETERMINISTIC:
             raise DflopError(f"solver '{solver}' is not deterministic across ranks; use one of "
                              f"{', '.join(DETERMINISTIC)} (or AsyncScheduler with a channel)")
-        if not 0 <= dp_rank < dp_size:
-            raise DflopError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
-        if global_batch < dp_size * microbatches:
+        if self.global_batch < self.dp_size * self.microbatches:
             raise DflopError(f"global_batch {global_batch} is smaller than dp_size x microbatches "
-                             f"({dp_size * microbatches} bins)")
-        if len(self.table) < global_batch:
-            raise DflopError(f"the dataset has {len(self.table)} samples, fewer than one global batch")
-        self.global_batch, self.dp_size, self.dp_rank = global_batch, dp_size, dp_rank
-        self.microbatches, self.costs, self.solver = microbatches, costs or default_costs, solver
-        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+                             f"({self.dp_size * self.microbatches} bins)")
+        size = None if dataset_size is None else scheduling.whole_number(dataset_size, "dataset_size")
+        self.table = self._table(shapes, size)
+        if len(self.table) == 0:
+            raise DflopError("the dataset is empty")
+        if drop_last and len(self.table) < self.global_batch:
+            raise DflopError(f"the dataset has {len(self.table)} samples, fewer than one global batch "
+                             f"({self.global_batch}), and drop_last would drop them all")
+        self.costs, self.shuffle, self.drop_last = costs or default_costs, shuffle, drop_last
         self.epoch = 0
 
     @staticmethod
@@ -78,36 +95,43 @@ class BalancedBatchSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """As DistributedSampler.set_epoch: a new permutation every epoch."""
-        self.epoch = epoch
+        self.epoch = scheduling.whole_number(epoch, "epoch", 0)
+
+    def _tail(self) -> int:
+        return 0 if self.drop_last else len(self.table) % self.global_batch
+
+    def _microbatches(self, samples: int) -> int:
+        """Microbatches per rank for a global batch of ``samples``."""
+        return max(1, min(self.microbatches, samples // self.dp_size))
 
     def __len__(self) -> int:
-        batches = len(self.table) // self.global_batch
-        if not self.drop_last and len(self.table) % self.global_batch >= self.dp_size * self.microbatches:
-            batches += 1
-        return batches * self.microbatches
+        tail = self._tail()
+        return len(self.table) // self.global_batch * self.microbatches + (self._microbatches(tail) if tail else 0)
 
     def global_batches(self) -> Iterator[np.ndarray]:
-        """Dataset indices of each global batch of this epoch."""
+        """Dataset indices of each global batch of this epoch (the tail last, unless dropped)."""
         n = len(self.table)
         order = (np.random.default_rng((self.seed, self.epoch)).permutation(n) if self.shuffle
                  else np.arange(n))
-        for start in range(0, n, self.global_batch):
-            chunk = order[start:start + self.global_batch]
-            if len(chunk) < self.global_batch and (self.drop_last or len(chunk) < self.dp_size * self.microbatches):
-                return
-            yield chunk
+        end = n - n % self.global_batch + self._tail()
+        for start in range(0, end, self.global_batch):
+            yield order[start:min(start + self.global_batch, end)]
 
     def bins(self, indices: np.ndarray) -> list[list[list[int]]]:
         """``bins[rank][microbatch]`` -> dataset indices, for one global batch."""
+        per_rank = self._microbatches(len(indices))
+        slots = self.dp_size * per_rank
+        bins = min(slots, len(indices))
         batch = self.table.take(indices)
-        problem = PartitionProblem(self.costs(batch), self.dp_size * self.microbatches)
-        result = partition(problem, self.solver, seed=self.seed)
+        result = partition(PartitionProblem(self.costs(batch), bins), self.solver, seed=self.seed)
         loads = result.loads.max(axis=1)
-        # Bins dealt to ranks heaviest first, round-robin, so every rank's total is alike.
+        # Bins dealt to ranks heaviest first, round-robin, so every rank's total is alike; a tail
+        # with fewer samples than ranks leaves the last ranks an empty microbatch.
         ranked = np.argsort(-loads, kind="stable")
         out: list[list[list[int]]] = [[] for _ in range(self.dp_size)]
-        for position, b in enumerate(ranked):
-            out[position % self.dp_size].append(indices[result.assignment == b].tolist())
+        for position in range(slots):
+            members = indices[result.assignment == ranked[position]].tolist() if position < bins else []
+            out[position % self.dp_size].append(members)
         return out
 
     def __iter__(self) -> Iterator[list[int]]:

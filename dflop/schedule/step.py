@@ -25,6 +25,7 @@ from dflop.errors import DflopError
 from dflop.schedule.problem import Partition, PartitionProblem
 from dflop.schedule.slots import slot_bins
 from dflop.schedule.solve import partition
+from dflop.specs import scheduling
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Plan
 from dflop.workload.sample import SampleTable
@@ -141,6 +142,7 @@ def schedule_batch(batch: SampleTable, plan: Plan, *, costs: np.ndarray, solver:
     ``caps`` bound (LLM tokens, tiles) per bin. ``partitioner`` replaces the solver (the
     optimizer's inner loop uses a cheaper one).
     """
+    solver = scheduling.solver(solver).value
     resources = None
     if caps is not None:
         resources = np.stack([batch.llm_tokens, batch.tiles], axis=1).astype(float)

@@ -53,6 +53,11 @@ def decode(data: bytes, where: str) -> str:
         raise SpecError(f"{where}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
 
 
+def too_many_digits(exc: ValueError) -> str:
+    """The problem of an integer too long for Python to convert, without its advice to the programmer."""
+    return str(exc).split(";")[0]
+
+
 class _Loader(yaml.SafeLoader):
     """Safe YAML that bounds nesting and refuses a key given twice in one mapping (YAML would keep
     the last silently)."""
@@ -98,7 +103,7 @@ def parse_yaml(text: str, where: str) -> Any:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise SpecError(f"{line}: not valid YAML ({problem})") from None
     except ValueError as exc:  # an integer of more digits than Python converts
-        raise SpecError(f"{where}: not valid YAML ({exc})") from None
+        raise SpecError(f"{where}: not valid YAML ({too_many_digits(exc)})") from None
 
 
 def load_yaml(path: str | Path) -> Any:
@@ -149,7 +154,7 @@ def parse_json(text: str, where: str) -> Any:
     except RecursionError:  # unbalanced brackets the depth check could not pair up
         raise NotJson(where, f"nested deeper than {MAX_DEPTH} levels") from None
     except ValueError as exc:  # an integer of more digits than Python converts
-        raise NotJson(where, str(exc)) from None
+        raise NotJson(where, too_many_digits(exc)) from None
 
 
 def load_json(path: str | Path) -> Any:

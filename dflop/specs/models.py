@@ -13,7 +13,7 @@ from typing import Literal
 
 from dflop.errors import SpecError
 from dflop.specs.limits import MAX_SIZE
-from dflop.specs.loading import at, check_numbers, limit, load_json, require
+from dflop.specs.loading import at, check_numbers, limit, require
 
 SIZE = limit(1, MAX_SIZE)
 """Bounds of an architecture size (layers, widths, heads, tokens)."""
@@ -52,14 +52,28 @@ class TilingSpec:
     frame_tokens: int = field(metadata=SIZE)
     """LLM tokens per video frame after spatial pooling."""
     video_newline: Literal["grid", "frame", "one_token", "none"] = "grid"
-    """Where newline tokens go in a video: after each pooled row, each frame, once, or never."""
+    """Where newline tokens go in a video (LLaVA-NeXT's ``mm_newline_position``): after each
+    pooled row of every frame (``grid``, 196 + 14 = 210 tokens a SigLIP frame), after each frame,
+    once after the whole video (``one_token``), or never."""
     max_frames: int = field(default=32, metadata=SIZE)
     fps: float = field(default=1.0, metadata=limit(high=1000.0))
     """Frames sampled per second of video, before the max_frames cap."""
+    multi_image: Literal["one_tile", "dynamic"] = "one_tile"
+    """Each image of a multi-image sample is one tile (LLaVA-OneVision), or is tiled dynamically
+    with at most ``max(1, max_tiles // images)`` tiles plus a thumbnail (InternVL)."""
+    video_sampling: Literal["fps", "uniform"] = "fps"
+    """``fps``: ``fps`` frames per second of video, at most ``max_frames`` (LLaVA-OneVision);
+    ``uniform``: a seeded draw of ``min_frames`` to ``max_frames`` frames per video whatever its
+    length (InternVL, which pads short videos with their last frame)."""
+    min_frames: int = field(default=1, metadata=SIZE)
 
     def __post_init__(self) -> None:
         check_numbers(self)
         require(self.fps > 0, f"fps: must be positive, got {self.fps}")
+        require(self.min_frames <= self.max_frames,
+                f"min_frames: {self.min_frames} is more than max_frames {self.max_frames}")
+        require(self.multi_image == "one_tile" or self.scheme == "dynamic",
+                "multi_image: dynamic tiling of multi-image samples needs scheme 'dynamic'")
         if self.scheme == "anyres":
             side = math.isqrt(self.tile_tokens)
             require(side * side == self.tile_tokens,
@@ -114,11 +128,15 @@ class EncoderSpec:
 
     @classmethod
     def coerce(cls, value: object, where: str) -> "EncoderSpec":
-        """A preset name stands for the preset (``encoder: siglip-so400m``)."""
+        """A preset name, or the path of a Hugging Face config.json (SigLIP or InternViT, alone or
+        as a VLM's ``vision_config``), stands for the spec."""
         from dflop.specs import presets
 
         if not isinstance(value, str):
-            raise SpecError(f"{at(where)}: expected a preset name or a mapping, got {value!r}")
+            raise SpecError(f"{at(where)}: expected a preset name, a config.json path or a mapping, "
+                            f"got {value!r}")
+        if value.endswith(".json"):
+            return encoder_from_hf_config(value)
         return presets.encoder(value, where=where)
 
     @property
@@ -196,53 +214,15 @@ class MLLMSpec:
         return self.encoder.hidden * self.encoder.merge
 
 
-def llm_from_hf_config(path: str | Path, name: str | None = None) -> LLMSpec:
-    """Read an LLM spec from a Hugging Face ``config.json`` (no download).
+def llm_from_hf_config(path: str | Path, name: str | None = None) -> "LLMSpec":
+    """An LLM spec from a Hugging Face ``config.json`` (see :mod:`dflop.specs.hf_config`)."""
+    from dflop.specs.hf_config import llm_from_hf_config as read
 
-    A VLM config (LLaVA, Qwen2-VL, ...) keeps its language model under
-    ``text_config``; that part is used when present.
-    """
-    data = load_json(path)
-    if not isinstance(data, dict):
-        raise SpecError(f"{path}: expected a JSON object")
-    where = str(path)
-    if isinstance(data.get("text_config"), dict):
-        data, where = data["text_config"], f"{path}: text_config"
+    return read(path, name)
 
-    def get(key: str, default: object = SpecError) -> object:
-        if key in data:
-            value = data[key]
-            if default is not SpecError and value is None:
-                return default
-            return value
-        if default is SpecError:
-            raise SpecError(f"{where}: missing key '{key}'")
-        return default
 
-    def integer(key: str, default: object = SpecError) -> int:
-        value = get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(f"{where}: key '{key}': expected an integer, got {value!r}")
-        return value
+def encoder_from_hf_config(path: str | Path, name: str | None = None) -> "EncoderSpec":
+    """An encoder spec from a Hugging Face ``config.json`` (see :mod:`dflop.specs.hf_config`)."""
+    from dflop.specs.hf_config import encoder_from_hf_config as read
 
-    heads = integer("num_attention_heads")
-    model_type = str(data.get("model_type", ""))
-    spec_name = name or data.get("_name_or_path") or model_type or Path(path).parent.name
-    try:
-        return LLMSpec(
-            name=str(spec_name),
-            layers=integer("num_hidden_layers"),
-            hidden=integer("hidden_size"),
-            heads=heads,
-            kv_heads=integer("num_key_value_heads", heads),
-            ffn=integer("intermediate_size"),
-            vocab=integer("vocab_size"),
-            tie_embeddings=bool(get("tie_word_embeddings", False)),
-            qkv_bias=bool(get("attention_bias", model_type.startswith("qwen2"))),
-            rope_theta=float(get("rope_theta", 1.0e4)),
-            max_position=integer("max_position_embeddings", 32768),
-            source=str(path),
-        )
-    except SpecError as exc:
-        raise SpecError(f"{where}: {exc}") from None
-
+    return read(path, name)

@@ -49,6 +49,11 @@ def model(encoder_name: str, llm_name: str) -> MLLMSpec:
     return MLLMSpec(encoder=encoder(encoder_name), llm=llm(llm_name))
 
 
+def hf_config_defaults() -> dict[str, dict[str, Any]]:
+    """transformers' config defaults per ``model_type``, for stub ``text_config`` sections."""
+    return _data("models.yaml").get("hf_config_defaults", {})
+
+
 def names(kind: str) -> list[str]:
     """Preset names of one kind: 'encoders', 'llms' or 'hardware'."""
     if kind == "hardware":

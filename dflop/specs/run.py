@@ -14,10 +14,11 @@ from typing import Literal
 
 import yaml
 
+from dflop.specs import scheduling
 from dflop.specs.execution import ExecutionSpec
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.limits import MAX_SAMPLES, MAX_SECONDS, MAX_STEPS
-from dflop.specs.loading import check_numbers, from_mapping, limit, load_yaml, require
+from dflop.specs.loading import check_numbers, from_mapping, limit, load_yaml
 from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
 from dflop.specs.plan import Plan
 
@@ -30,7 +31,8 @@ class DataSpec:
     profile: str = ""
     """Path of a data profile written by `dflop profile data` (takes precedence over preset)."""
     dataset: str = ""
-    """Path of a LLaVA-format manifest (takes precedence over profile and preset)."""
+    """Path of a manifest or dataset list, read as `dflop profile data --dataset` reads it (takes
+    precedence over profile and preset)."""
     samples: int = field(default=20000, metadata=limit(1, MAX_SAMPLES))
     """Samples drawn from a preset (the pool global batches are drawn from)."""
     seed: int = field(default=0, metadata=limit(0))
@@ -42,14 +44,15 @@ class DataSpec:
 @dataclass(frozen=True, kw_only=True)
 class SchedulerSpec:
     solver: str = "auto"
-    """Microbatch partitioner: auto, ilp, lpt, kk, sequential or random."""
+    """Microbatch partitioner: auto, ilp, greedy, lpt, kk, sequential or random (any case)."""
     time_limit: float = field(default=0.5, metadata=limit(high=MAX_SECONDS))
-    """Seconds the ILP may spend on one global batch."""
+    """Seconds the partitioner may spend on one global batch (finite, above 0)."""
     ilp_backend: Literal["cbc", "highs"] = "cbc"
 
     def __post_init__(self) -> None:
         check_numbers(self)
-        require(self.time_limit > 0, f"time_limit: must be positive, got {self.time_limit}")
+        object.__setattr__(self, "solver", scheduling.solver(self.solver, "solver").value)
+        scheduling.time_limit(self.time_limit, "time_limit")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,14 +81,35 @@ class RunConfig:
         return MLLMSpec(encoder=self.encoder, llm=self.llm)
 
 
+def _relative_to(folder: Path, data: object) -> object:
+    """The config with its relative file paths (data set, data profile, profile folders,
+    config.json models) made relative to ``folder``, the config's own folder."""
+    if not isinstance(data, dict):
+        return data
+
+    def resolve(value: object) -> object:
+        return str(folder / value) if isinstance(value, str) and value and not Path(value).is_absolute() else value
+
+    out = dict(data)
+    for key in ("encoder", "llm"):
+        if isinstance(out.get(key), str) and out[key].endswith(".json"):
+            out[key] = resolve(out[key])
+    if isinstance(out.get("data"), dict):
+        out["data"] = {k: resolve(v) if k in ("dataset", "profile") else v for k, v in out["data"].items()}
+    if isinstance(out.get("profiles"), list):
+        out["profiles"] = [resolve(v) for v in out["profiles"]]
+    return out
+
+
 DEFAULTS = {"sim": "default_run.yaml", "torch": "default_torch_run.yaml"}
 """The embedded config of each backend: a simulated H100 cluster; tiny real models on local CPUs."""
 
 
 def load_run_config(path: str | Path | None = None, backend: str = "sim") -> RunConfig:
-    """The run config in ``path``, or the embedded default of ``backend``."""
+    """The run config in ``path``, or the embedded default of ``backend``. Relative paths in a
+    config resolve against its folder, so a config and its data move together."""
     if path is None:
         name = DEFAULTS[backend]
         text = resources.files("dflop.specs").joinpath(name).read_text()
         return from_mapping(RunConfig, yaml.safe_load(text), f"{name}:")
-    return from_mapping(RunConfig, load_yaml(path), f"{path}:")
+    return from_mapping(RunConfig, _relative_to(Path(path).parent, load_yaml(path)), f"{path}:")

@@ -1,4 +1,4 @@
-"""Shared figure set-up. matplotlib is imported here only, and only when a figure is drawn."""
+"""Shared figure set-up and colours. matplotlib is imported here only, and only when a figure is drawn."""
 
 from __future__ import annotations
 
@@ -15,14 +15,24 @@ COLORS = {
     "image": "#1f77b4",
     "multi_image": "#2ca02c",
     "video": "#d62728",
-    "F": "#4c72b0",
-    "B": "#dd8452",
-    "I": "#dd8452",
-    "W": "#55a868",
-    "comm": "#b0b0b0",
-    "allreduce": "#8172b3",
     "idle": "#f2f2f2",
 }
+
+# Timelines: the LLM in blue/orange/brown, the encoder in greens and purple, so a glance
+# tells the two modules apart; communication in colours no compute bar uses.
+COMPUTE_COLORS = {
+    ("llm", "F"): "#4c72b0", ("llm", "B"): "#dd8452", ("llm", "I"): "#dd8452", ("llm", "W"): "#937860",
+    ("encoder", "F"): "#55a868", ("encoder", "B"): "#8172b3", ("encoder", "I"): "#8172b3",
+    ("encoder", "W"): "#da8bc3",
+}
+COMM_COLORS = {"p2p": "#6f6f6f", "bridge": "#17becf", "reduce_grad": "#c44e52", "unshard": "#ccb974"}
+OTHER_COLOR = "#b5b5b5"
+COLOCATED_COLORS = {"F": "#2b4a7a", "B": "#9c5428", "I": "#9c5428", "W": "#5e4c3c"}
+"""A darker shade of the LLM's colours, hatched, where a colocated first stage also runs the encoder."""
+COLOCATED_HATCH = "//"
+KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "backward (weights)"}
+COMM_NAMES = {"p2p": "p2p send", "bridge": "encoder->LLM bridge", "reduce_grad": "gradient reduction",
+              "unshard": "FSDP gather"}
 
 
 def figure(rows: int, cols: int, size: tuple[float, float], **kwargs: Any):

@@ -19,7 +19,7 @@ from dflop.specs.loading import load_json
 from dflop.specs.models import EncoderSpec
 from dflop.workload.manifest import read_manifest
 from dflop.workload.mixes import MixSpec, mix, synthesize
-from dflop.workload.sample import MODALITIES, SampleTable
+from dflop.workload.sample import MODALITIES, SampleTable, unique_ids
 
 FORMAT = "dflop.data_profile/1"
 
@@ -99,7 +99,8 @@ class DataProfile:
             raise DflopError(f"{path}: not a dflop data profile (expected format '{FORMAT}')")
         if not isinstance(data.get("samples"), dict):
             raise DflopError(f"{path}: missing key 'samples'")
-        return cls(SampleTable.from_columns(data["samples"], str(path)), data.get("source", {}))
+        table = SampleTable.from_columns(data["samples"], str(path))
+        return cls(table.with_ids(unique_ids(table.ids)[0]), data.get("source", {}))
 
 
 def profile_mix(spec: MixSpec | str, samples: int, encoder: EncoderSpec, seed: int = 0) -> DataProfile:
@@ -109,14 +110,19 @@ def profile_mix(spec: MixSpec | str, samples: int, encoder: EncoderSpec, seed: i
                                "seed": seed, "description": spec.description, "source": spec.source})
 
 
-def profile_dataset(path: str | Path, encoder: EncoderSpec, *, image_root: str | Path | None = None,
-                    tokenizer: Any = None, skip_bad: bool = False,
-                    samples: int | None = None) -> DataProfile:
-    report = read_manifest(path, encoder, image_root=image_root, tokenizer=tokenizer,
-                           skip_bad=skip_bad, limit=samples)
-    return DataProfile(report.samples, {"kind": "dataset", "path": str(path), "encoder": encoder.name,
-                                        "skipped": report.skipped, "skipped_examples": report.problems,
-                                        "text_tokens": "tokenizer" if tokenizer else "estimate"})
+def profile_dataset(path: str | Path, encoder: EncoderSpec, *, format: str = "auto",
+                    image_root: str | Path | None = None, video_root: str | Path | None = None,
+                    tokenizer: Any = None, skip_bad: bool = False, samples: int | None = None,
+                    seed: int = 0) -> DataProfile:
+    """The profile of a manifest or dataset list (see :func:`read_manifest`)."""
+    report = read_manifest(path, encoder, format=format, image_root=image_root, video_root=video_root,
+                           tokenizer=tokenizer, skip_bad=skip_bad, limit=samples, seed=seed)
+    return DataProfile(report.samples, {
+        "kind": "dataset", "path": str(path), "dataset_kind": report.kind, "encoder": encoder.name,
+        "sources": report.sources, "skipped": report.skipped,
+        "skipped_reasons": dict(report.skips.counts.most_common()),
+        "skipped_examples": report.problems, "renamed_ids": report.renamed_ids,
+        "text_tokens": report.text_tokens, "seed": seed})
 
 
 def batches(table: SampleTable, global_batch: int, seed: int = 0) -> Iterator[SampleTable]:

@@ -1,245 +1,285 @@
-"""LLaVA-format manifests: the format of LLaVA-OneVision, M4-Instruct and LLaVA-Video.
+"""Read a dataset: a manifest, or a dataset list of manifests, into samples.
 
-A manifest is a JSON list of entries or JSON lines, one entry each::
+What is read (see :mod:`dflop.workload.schemas` for the manifest schemas and
+:mod:`dflop.workload.dataset_list` for the lists): the kind of file is
+detected, or forced with ``format``; every entry becomes one sample whose
+tiles and tokens follow the encoder's rules.
 
-    {"id": "x1", "image": "coco/1.jpg",            # a path, or a list of paths
-     "conversations": [{"from": "human", "value": "<image>\\nWhat is this?"},
-                       {"from": "gpt", "value": "A cat."}]}
-    {"id": "v1", "video": "clips/1.mp4", "duration": 42.0, ...}
+Shapes come from the data, not from pixels: an image's size from the entry
+(``width``/``height``) or its file header; a video's frames from the entry
+(``frames``, or ``duration`` in seconds) or its container header. Image paths
+resolve against ``image_root``, else the manifest's folder; video paths
+against ``video_root``, else ``image_root``, else the manifest's folder; a
+listed source with its own ``root`` uses that for both. A file that an entry
+needs and that is not there is an error naming it. An image whose size the
+entry gives is never opened, so a manifest reads without its images.
 
-Shapes come from the data, not from pixels: a single image's size is read
-from its file header (Pillow opens lazily and decodes nothing) or from the
-optional ``width``/``height`` fields; a multi-image entry needs no sizes (each
-image is one tile); a video needs ``frames`` (frames fed to the model) or
-``duration`` (seconds, sampled at the tiling's fps), since reading video
-headers would need a decoder.
+Every sample keeps its identity: its id is the entry's ``id`` (or its position,
+``name:position`` in a list); an id seen before gets ``#2``, ``#3``, ... in
+reading order, since schedules name samples by id and repeats (InternVL's
+``repeat_time``) are real samples too.
 
-Text tokens come from ``tokenizer`` when given. Otherwise they are estimated
-as ceil(characters / 4) per turn plus 5 tokens of chat template per turn:
-about four characters per token is the usual figure for English with BPE
-vocabularies of the Qwen2 / Llama-3 size, and ``<|im_start|>role\\n ...
-<|im_end|>\\n`` adds about five tokens a turn.
+A bad entry is an error naming file, line and entry; with ``skip_bad`` it is
+skipped and counted by reason.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from dflop.errors import ManifestError
-from dflop.specs.models import EncoderSpec
-from dflop.workload import vision
-from dflop.workload.sample import Modality, SampleTable
+from dflop.errors import DflopError, ManifestError
+from dflop.specs.models import EncoderSpec, TilingSpec
+from dflop.workload import media
+from dflop.workload.dataset_list import Kind, Source, data_yaml, kind_of, meta_json
+from dflop.workload.entries import EntryError, entries, read_bytes
+from dflop.workload.sample import SampleTable, unique_ids
+from dflop.workload.schemas import Parsed, Schema, parse
+from dflop.workload.shapes import ShapeColumns
+from dflop.workload.tokens import TokenCounter, counter, estimate_text_tokens
 
-CHARS_PER_TOKEN = 4.0
-TEMPLATE_TOKENS_PER_TURN = 5
-IMAGE_PLACEHOLDER = "<image>"
-
-Tokenizer = Callable[[str], Any]
-
-
-def estimate_text_tokens(turns: list[str]) -> int:
-    """The documented estimate used when no tokenizer is given."""
-    return sum(math.ceil(len(t) / CHARS_PER_TOKEN) + TEMPLATE_TOKENS_PER_TURN for t in turns)
+FORMATS = ("auto", *(s.value for s in Schema), Kind.DATA_YAML.value, Kind.META_JSON.value)
+EXAMPLES_PER_REASON = 3
+TOKENIZE_CHUNK = 4096
 
 
-def count_text_tokens(turns: list[str], tokenizer: Tokenizer | Any | None) -> int:
-    if tokenizer is None:
-        return estimate_text_tokens(turns)
-    encode = tokenizer.encode if hasattr(tokenizer, "encode") else tokenizer
-    total = 0
-    for turn in turns:
-        out = encode(turn)
-        total += out if isinstance(out, int) else len(out)
-        total += TEMPLATE_TOKENS_PER_TURN
-    return total
+@dataclass
+class SkipLog:
+    """Entries skipped under ``skip_bad``: a count per reason and the first few of each."""
+
+    counts: Counter = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, exc: EntryError) -> None:
+        self.counts[exc.reason] += 1
+        shown = self.examples.setdefault(exc.reason, [])
+        if len(shown) < EXAMPLES_PER_REASON:
+            shown.append(str(exc))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def text(self) -> str:
+        return ", ".join(f"{n} {reason}" for reason, n in self.counts.most_common())
+
+    def first(self) -> str:
+        return next(iter(self.examples.values()))[0]
 
 
 @dataclass
 class ManifestReport:
     samples: SampleTable
-    skipped: int = 0
-    problems: list[str] = field(default_factory=list)
-    """The first few reasons entries were skipped (with ``skip_bad``)."""
+    skips: SkipLog = field(default_factory=SkipLog)
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    """Per source: its manifest, schema, sampling, and the entries listed, chosen, read and skipped."""
+    renamed_ids: int = 0
+    text_tokens: str = "estimate"
+    kind: str = Kind.MANIFEST.value
+
+    @property
+    def skipped(self) -> int:
+        return self.skips.total
+
+    @property
+    def problems(self) -> list[str]:
+        return [m for shown in self.skips.examples.values() for m in shown]
 
 
 @dataclass
-class _Raw:
-    id: str
-    modality: Modality
-    text_tokens: int
-    size: tuple[int, int] | None = None
-    images: int = 0
-    frames: int = 0
-    seconds: float = 0.0
+class _Context:
+    """How the entries of one source are read."""
+
+    tiling: TilingSpec
+    image_root: Path
+    video_root: Path
+    image_hint: str
+    video_hint: str
 
 
-def _entries(path: Path) -> Iterator[tuple[int, str, Any]]:
-    """(index, location, entry) for every entry; a parse failure yields a ManifestError instead."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: manifest not found") from None
-    except OSError as exc:
-        raise ManifestError(f"{path}: cannot read manifest ({exc.strerror})") from None
-    if text.lstrip().startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-        for index, entry in enumerate(data):
-            yield index, f"{path}: entry {index}", entry
-        return
-    index = 0
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{line_no}: entry {index}"
-        try:
-            yield index, where, json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield index, where, ManifestError(f"{path}:{line_no}: entry {index}: not valid JSON ({exc.msg})")
-        index += 1
-
-
-def _field_error(where: str, name: str, problem: str) -> ManifestError:
-    return ManifestError(f"{where}: field '{name}': {problem}")
-
-
-def _turns(entry: dict, where: str) -> list[str]:
-    conv = entry.get("conversations")
-    if not isinstance(conv, list) or not conv:
-        raise _field_error(where, "conversations", "expected a non-empty list of {from, value} turns")
-    turns = []
-    for k, turn in enumerate(conv):
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise _field_error(where, f"conversations[{k}]", "expected an object with a string 'value'")
-        turns.append(turn["value"])
-    return turns
-
-
-def _int_field(entry: dict, name: str, where: str, minimum: int = 1) -> int | None:
-    if name not in entry or entry[name] is None:
-        return None
-    value = entry[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-        raise _field_error(where, name, f"expected a number >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _image_size(entry: dict, image: str, root: Path, where: str) -> tuple[int, int]:
-    width, height = _int_field(entry, "width", where), _int_field(entry, "height", where)
-    if width is not None and height is not None:
-        return width, height
-    file = root / image
-    if not file.is_file():
-        raise _field_error(where, "image", f"file '{file}' not found (give 'width' and 'height' "
-                                           "to read the manifest without the images)")
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(file) as img:
-            return img.size
-    except (UnidentifiedImageError, OSError) as exc:
-        raise _field_error(where, "image", f"cannot read the header of '{file}' ({exc})") from None
-
-
-def _parse(entry: Any, index: int, where: str, root: Path, tokenizer: Any) -> _Raw:
-    if not isinstance(entry, dict):
-        raise ManifestError(f"{where}: expected a JSON object, got {type(entry).__name__}")
-    turns = _turns(entry, where)
-    placeholders = sum(t.count(IMAGE_PLACEHOLDER) for t in turns)
-    text = [t.replace(IMAGE_PLACEHOLDER, "") for t in turns]
-    raw = _Raw(str(entry.get("id", index)), Modality.TEXT, count_text_tokens(text, tokenizer))
-    image, video = entry.get("image"), entry.get("video")
-    if image is not None and video is not None:
-        raise _field_error(where, "video", "an entry has either 'image' or 'video', not both")
-    if video is not None:
-        if not isinstance(video, str):
-            raise _field_error(where, "video", f"expected a path, got {video!r}")
-        frames = _int_field(entry, "frames", where)
-        duration = entry.get("duration")
-        if frames is None:
-            if isinstance(duration, bool) or not isinstance(duration, (int, float)) or duration <= 0:
-                raise _field_error(where, "duration", "a video needs 'frames' or a positive 'duration' "
-                                                      "(seconds)")
-            raw.seconds = float(duration)
-        else:
-            raw.frames = frames
-        raw.modality = Modality.VIDEO
-        if placeholders > 1:
-            raise _field_error(where, "conversations", f"{placeholders} <image> placeholders for one video")
-        return raw
-    if image is None:
-        if placeholders:
-            raise _field_error(where, "conversations",
-                               f"{placeholders} <image> placeholder(s) but the entry has no image or video")
-        return raw
-    paths = [image] if isinstance(image, str) else image
-    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
-        raise _field_error(where, "image", f"expected a path or a list of paths, got {image!r}")
-    if placeholders > len(paths):
-        raise _field_error(where, "conversations",
-                           f"{placeholders} <image> placeholders but {len(paths)} image(s)")
-    if len(paths) == 1:
-        raw.modality, raw.size = Modality.IMAGE, _image_size(entry, paths[0], root, where)
+def _roots(source: Source, image_root: Path | None, video_root: Path | None) -> tuple[Path, Path, str, str]:
+    if source.root is not None:
+        where = f"the root of {source.where.rsplit('.', 1)[0]}"
+        images, videos, image_how, video_how = source.root, source.root, where, where
     else:
-        raw.modality, raw.images = Modality.MULTI_IMAGE, len(paths)
-    return raw
+        folder = source.manifest.parent
+        images = image_root or folder
+        videos = video_root or image_root or folder
+        image_how = "--image-root" if image_root else "the manifest's folder: give --image-root"
+        video_how = ("--video-root" if video_root else "--image-root: give --video-root" if image_root
+                     else "the manifest's folder: give --video-root")
+    return (images, videos,
+            f"image paths resolve against {image_how}, or give 'width' and 'height' to read without the images",
+            f"video paths resolve against {video_how}, or give 'frames' or 'duration' to read without the videos")
 
 
-def read_manifest(path: str | Path, encoder: EncoderSpec, *, image_root: str | Path | None = None,
-                  tokenizer: Any = None, skip_bad: bool = False, limit: int | None = None) -> ManifestReport:
-    """Read a manifest into samples whose tiles and tokens follow ``encoder``'s tiling rules."""
+def _sizes(p: Parsed, schema: Schema, ctx: _Context, where: str) -> list[tuple[int, int]]:
+    key = "images" if schema is Schema.SHAREGPT else "image"
+    names = [key if len(p.images) == 1 else f"{key}[{k}]" for k in range(len(p.images))]
+    files = [ctx.image_root / image for image in p.images]
+    if len(files) == 1 or ctx.tiling.multi_image == "dynamic":
+        return [media.image_size(f, where, n, ctx.image_hint) for f, n in zip(files, names)]
+    for f, n in zip(files, names):  # one tile each: the size does not matter, the file does
+        media.require_file(f, where, n, ctx.image_hint)
+    return [(0, 0)] * len(files)
+
+
+def _videos(p: Parsed, schema: Schema, ctx: _Context, where: str) -> list[tuple[int, float, int, float]]:
+    out = []
+    key = "videos" if schema is Schema.SHAREGPT else "video"
+    for k, video in enumerate(p.videos):
+        frames = p.frames[k] if p.frames else 0
+        seconds = p.durations[k] if p.durations else 0.0
+        header: tuple[int, float] = (0, 0.0)
+        if not frames and not seconds:
+            name = key if len(p.videos) == 1 else f"{key}[{k}]"
+            header = media.video_header(ctx.video_root / video, where, name, ctx.video_hint)
+        out.append((frames, seconds, *header))
+    return out
+
+
+class _Reader:
+    """Reads sources one after another into shape columns, counting what it skips."""
+
+    def __init__(self, encoder: EncoderSpec, *, schema: Schema | None, image_root: Path | None,
+                 video_root: Path | None, tokens: TokenCounter, skip_bad: bool, limit: int | None,
+                 seed: int) -> None:
+        self.encoder, self.schema, self.tokens = encoder, schema, tokens
+        self.image_root, self.video_root = image_root, video_root
+        self.skip_bad, self.limit = skip_bad, limit
+        self.sampling_rng = np.random.default_rng([seed, 0])
+        self.frames_rng = np.random.default_rng([seed, 1])
+        self.skips = SkipLog()
+        self.read = 0
+        self.tables: list[SampleTable] = []
+        self.sources: list[dict[str, Any]] = []
+
+    def full(self) -> bool:
+        return self.limit is not None and self.read >= self.limit
+
+    def source(self, src: Source, data: bytes, id_prefix: str) -> None:
+        """Read one source; an entry without an id is ``id_prefix`` + its position."""
+        tiling = self.encoder.tiling
+        if src.max_tiles is not None and tiling.scheme == "dynamic":
+            tiling = replace(tiling, max_tiles=src.max_tiles)
+        roots = _roots(src, self.image_root, self.video_root)
+        ctx = _Context(tiling, *roots)
+        items = entries(src.manifest, data)
+        chosen = src.sampling.select(len(items), self.sampling_rng)
+        columns, schemas, pending, skipped = ShapeColumns(), Counter(), [], self.skips.total
+        limit = self.limit if self.limit is not None else len(chosen) + self.read
+        batched, forced = self.tokens.batched, self.schema
+        for index in chosen.tolist():  # the hot loop: 50k entries take about a second
+            if self.read >= limit:
+                break
+            where = items.where(index)
+            try:
+                schema, parsed = parse(items.get(index), where, forced)
+                sizes = parsed.sizes if parsed.sizes is not None else _sizes(parsed, schema, ctx, where)
+                videos = _videos(parsed, schema, ctx, where) if parsed.videos else []
+            except EntryError as exc:
+                if not self.skip_bad:
+                    raise
+                self.skips.add(exc)
+                continue
+            schemas[schema] += 1
+            sample_id = str(parsed.id) if parsed.id is not None else f"{id_prefix}{index}"
+            row = columns.add(sample_id, 0 if batched else estimate_text_tokens(parsed.turns), sizes, videos)
+            if batched:
+                pending.append((row, parsed.turns))
+                if len(pending) >= TOKENIZE_CHUNK:
+                    self._tokenize(columns, pending)
+            self.read += 1
+        self._tokenize(columns, pending)
+        if len(columns):
+            self.tables.append(columns.table(tiling, self.frames_rng))
+        self.sources.append(_source_record(src, items, chosen, schemas, len(columns),
+                                           self.skips.total - skipped))
+
+    def _tokenize(self, columns: ShapeColumns, pending: list[tuple[int, list[str]]]) -> None:
+        if pending:
+            for (row, _), n in zip(pending, self.tokens.count([turns for _, turns in pending])):
+                columns.text_tokens[row] = n
+            pending.clear()
+
+
+def _source_record(src: Source, items: Any, chosen: np.ndarray, schemas: Counter, samples: int,
+                   skipped: int) -> dict[str, Any]:
+    record = {"name": src.name, "manifest": str(src.manifest),
+              "format": "+".join(sorted(s.value for s in schemas)) or "-",
+              "sampling": str(src.sampling), "entries": len(items), "chosen": int(len(chosen)),
+              "samples": samples, "skipped": skipped}
+    if src.root is not None:
+        record["root"] = str(src.root)
+    if src.declared is not None:
+        record["declared_length"] = src.declared
+    return record
+
+
+def _sources(path: Path, data: bytes, fmt: str, image_root: Path | None) -> tuple[Kind, list[Source]]:
+    kind = kind_of(path, data)
+    if fmt in (Kind.DATA_YAML.value, Kind.META_JSON.value) and kind.value != fmt:
+        raise ManifestError(f"{path} is {kind.title}, not {Kind(fmt).title}")
+    if fmt not in ("auto", Kind.DATA_YAML.value, Kind.META_JSON.value) and kind is not Kind.MANIFEST:
+        raise ManifestError(f"{path} is {kind.title}, not a {fmt} manifest: leave out --format (or give "
+                            f"--format {kind.value})")
+    if kind is Kind.DATA_YAML:
+        return kind, data_yaml(path, data)
+    if kind is Kind.META_JSON:
+        return kind, meta_json(path, data, image_root)
+    return kind, [Source(path.stem, path, str(path))]
+
+
+def _listed_bytes(src: Source, list_path: Path) -> bytes:
+    try:
+        data = read_bytes(src.manifest)
+    except ManifestError as exc:
+        raise ManifestError(f"{src.where}: {exc} (relative paths resolve against the list's folder "
+                            f"{list_path.parent}, then the working directory)") from None
+    kind = kind_of(src.manifest, data)
+    if kind is not Kind.MANIFEST:
+        raise ManifestError(f"{src.where}: '{src.manifest}' is {kind.title}, not a manifest "
+                            "(dataset lists do not nest)")
+    return data
+
+
+def read_manifest(path: str | Path, encoder: EncoderSpec, *, format: str = "auto",
+                  image_root: str | Path | None = None, video_root: str | Path | None = None,
+                  tokenizer: Any = None, skip_bad: bool = False, limit: int | None = None,
+                  seed: int = 0) -> ManifestReport:
+    """Samples of a manifest or dataset list, tiled and tokenised by ``encoder``'s rules.
+
+    ``format`` is ``auto`` (detected), a manifest schema (``llava``, ``sharegpt``,
+    ``internvl``) or a list kind (``data-yaml``, ``meta-json``); ``tokenizer`` a
+    ``tokenizer.json`` path, a TokenCounter or anything with ``encode``; ``limit`` caps the
+    samples read; ``seed`` drives ``random:N`` sampling and InternVL's frame draws.
+    """
+    if format not in FORMATS:
+        raise DflopError(f"format: {format!r} is not one of {', '.join(FORMATS)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise DflopError(f"seed: must be a whole number of at least 0, got {seed!r}")
     path = Path(path)
-    root = Path(image_root) if image_root is not None else path.parent
-    tiling = encoder.tiling
-    rows: list[_Raw] = []
-    report = ManifestReport(samples=SampleTable.build([], [], [], [], []))
-    for index, where, entry in _entries(path):
-        if limit is not None and len(rows) >= limit:
+    data = read_bytes(path)
+    kind, sources = _sources(path, data, format, Path(image_root) if image_root is not None else None)
+    reader = _Reader(encoder, schema=Schema(format) if format in {s.value for s in Schema} else None,
+                     image_root=Path(image_root) if image_root is not None else None,
+                     video_root=Path(video_root) if video_root is not None else None,
+                     tokens=counter(tokenizer), skip_bad=skip_bad, limit=limit, seed=seed)
+    for src in sources:
+        if reader.full():
             break
-        try:
-            if isinstance(entry, ManifestError):
-                raise entry
-            rows.append(_parse(entry, index, where, root, tokenizer))
-        except ManifestError as exc:
-            if not skip_bad:
-                raise
-            report.skipped += 1
-            if len(report.problems) < 10:
-                report.problems.append(str(exc))
-    if not rows:
-        raise ManifestError(f"{path}: no readable entries"
-                            + (f" ({report.skipped} skipped)" if report.skipped else ""))
-    report.samples = _to_table(rows, tiling)
-    return report
+        listed = kind is not Kind.MANIFEST
+        reader.source(src, _listed_bytes(src, path) if listed else data, f"{src.name}:" if listed else "")
+    if not reader.tables:
+        skipped = reader.skips
+        detail = f" ({skipped.total} skipped: {skipped.text()}; first: {skipped.first()})" if skipped.total else ""
+        raise ManifestError(f"{path}: no readable entries{detail}")
+    table = SampleTable.concat(reader.tables)
+    ids, renamed = unique_ids(table.ids)
+    return ManifestReport(table.with_ids(ids), reader.skips, reader.sources, renamed, reader.tokens.name,
+                          kind.value)
 
-
-def _to_table(rows: list[_Raw], tiling) -> SampleTable:
-    n = len(rows)
-    modality = np.array([r.modality.code for r in rows], dtype=np.int8)
-    tiles = np.zeros(n, dtype=np.int64)
-    image_tokens = np.zeros(n, dtype=np.int64)
-    single = [k for k, r in enumerate(rows) if r.modality is Modality.IMAGE]
-    if single:
-        w = np.array([rows[k].size[0] for k in single])
-        h = np.array([rows[k].size[1] for k in single])
-        tiles[single], image_tokens[single] = vision.single_images(w, h, tiling)
-    multi = [k for k, r in enumerate(rows) if r.modality is Modality.MULTI_IMAGE]
-    if multi:
-        tiles[multi], image_tokens[multi] = vision.multi_images(np.array([rows[k].images for k in multi]),
-                                                                tiling)
-    vids = [k for k, r in enumerate(rows) if r.modality is Modality.VIDEO]
-    if vids:
-        given = np.array([rows[k].frames for k in vids])
-        sampled = vision.video_frames(np.array([rows[k].seconds for k in vids]), tiling)
-        frames = np.where(given > 0, given, sampled)
-        tiles[vids], image_tokens[vids] = vision.videos(frames, tiling)
-    return SampleTable.build([r.id for r in rows], modality, tiles,
-                             [r.text_tokens for r in rows], image_tokens)

@@ -99,6 +99,14 @@ def with_shares(spec: MixSpec, **shares: float) -> MixSpec:
     return replace(spec, name=f"{spec.name}[{label}]", shares=merged)
 
 
+def _image_sizes(spec: MixSpec, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    pixels = spec.image_megapixels.draw(rng, n) * 1e6
+    aspect = np.exp(spec.image_aspect_sigma * rng.standard_normal(n))
+    width = np.maximum(1, np.round(np.sqrt(pixels * aspect))).astype(np.int64)
+    height = np.maximum(1, np.round(pixels / width)).astype(np.int64)
+    return width, height
+
+
 def synthesize(spec: MixSpec, n: int, encoder: EncoderSpec, seed: int = 0,
                id_prefix: str = "s") -> SampleTable:
     """``n`` samples of the mix; the same seed gives the same samples."""
@@ -117,16 +125,22 @@ def synthesize(spec: MixSpec, n: int, encoder: EncoderSpec, seed: int = 0,
             continue
         text_tokens[rows] = np.round(spec.text_tokens[m.value].draw(rng, len(rows))).astype(np.int64)
         if m is Modality.IMAGE:
-            pixels = spec.image_megapixels.draw(rng, len(rows)) * 1e6
-            aspect = np.exp(spec.image_aspect_sigma * rng.standard_normal(len(rows)))
-            width = np.maximum(1, np.round(np.sqrt(pixels * aspect))).astype(np.int64)
-            height = np.maximum(1, np.round(pixels / width)).astype(np.int64)
+            width, height = _image_sizes(spec, rng, len(rows))
             tiles[rows], image_tokens[rows] = vision.single_images(width, height, tiling)
         elif m is Modality.MULTI_IMAGE:
             count = np.maximum(2, np.round(spec.multi_images.draw(rng, len(rows)))).astype(np.int64)
-            tiles[rows], image_tokens[rows] = vision.multi_images(count, tiling)
+            if tiling.multi_image == "one_tile":
+                tiles[rows], image_tokens[rows] = vision.multi_images(count, tiling)
+            else:  # sizes matter only here, so the draws of one-tile encoders stay as they were
+                owner = np.repeat(np.arange(len(rows)), count)
+                part_tiles, part_tokens = vision.multi_image_parts(*_image_sizes(spec, rng, len(owner)),
+                                                                   count[owner], tiling)
+                tiles[rows] = np.bincount(owner, part_tiles, len(rows)).astype(np.int64)
+                image_tokens[rows] = np.bincount(owner, part_tokens, len(rows)).astype(np.int64)
         elif m is Modality.VIDEO:
-            frames = vision.video_frames(spec.video_seconds.draw(rng, len(rows)), tiling)
+            seconds = spec.video_seconds.draw(rng, len(rows))
+            frames = (vision.uniform_frames(len(rows), tiling, rng) if tiling.video_sampling == "uniform"
+                      else vision.video_frames(seconds, tiling))
             tiles[rows], image_tokens[rows] = vision.videos(frames, tiling)
     ids = np.array([f"{id_prefix}{i}" for i in range(n)], dtype=object)
     return SampleTable(ids, modality, tiles, text_tokens, image_tokens)

@@ -48,6 +48,30 @@ class Sample:
         return self.text_tokens + self.image_tokens
 
 
+def unique_ids(ids: Sequence[object]) -> tuple[list[str], int]:
+    """Every id made unique, in order: the first of a kind keeps its id, a repeat of ``x``
+    becomes ``x#2``, ``x#3``, ... (skipping any id the input has). Returns the ids and how many
+    were renamed. Schedules name samples by id, so two rows with one id would be scheduled as one.
+    """
+    raw = [str(i) for i in ids]
+    taken = set(raw)
+    if len(taken) == len(raw):
+        return raw, 0
+    out: list[str] = []
+    used: set[str] = set()
+    next_k: dict[str, int] = {}
+    for sample_id in raw:
+        if sample_id in used:
+            k = next_k.get(sample_id, 2)
+            while f"{sample_id}#{k}" in taken or f"{sample_id}#{k}" in used:
+                k += 1
+            next_k[sample_id] = k + 1
+            sample_id = f"{sample_id}#{k}"
+        used.add(sample_id)
+        out.append(sample_id)
+    return out, len(raw) - len(taken)
+
+
 @dataclass(frozen=True, eq=False)
 class SampleTable:
     """Samples as columns (numpy arrays of equal length)."""

@@ -78,15 +78,22 @@ def _dynamic_one(width: int, height: int, t: TilingSpec, ratios: list[tuple[int,
     return blocks + (1 if t.thumbnail and blocks != 1 else 0)
 
 
-def _dynamic(width: np.ndarray, height: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
-    ratios = _dynamic_ratios(t.max_tiles)
-    cache: dict[tuple[int, int], int] = {}
+def _dynamic_tiles(width: np.ndarray, height: np.ndarray, max_tiles: np.ndarray, t: TilingSpec) -> np.ndarray:
+    """InternVL's ``dynamic_preprocess`` tile count of every image, each with its own ``max_num``."""
+    ratios: dict[int, list[tuple[int, int]]] = {}
+    cache: dict[tuple[int, int, int], int] = {}
     tiles = np.empty(len(width), dtype=np.int64)
-    for k, (w, h) in enumerate(zip(width.tolist(), height.tolist())):
-        key = (int(w), int(h))
+    for k, key in enumerate(zip(width.tolist(), height.tolist(), max_tiles.tolist())):
         if key not in cache:
-            cache[key] = _dynamic_one(key[0], key[1], t, ratios)
+            if key[2] not in ratios:
+                ratios[key[2]] = _dynamic_ratios(key[2])
+            cache[key] = _dynamic_one(key[0], key[1], t, ratios[key[2]])
         tiles[k] = cache[key]
+    return tiles
+
+
+def _dynamic(width: np.ndarray, height: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
+    tiles = _dynamic_tiles(width, height, np.full(len(width), t.max_tiles), t)
     return tiles, tiles * t.tile_tokens
 
 
@@ -107,15 +114,43 @@ def single_image(width: int, height: int, t: TilingSpec) -> tuple[int, int]:
 
 
 def multi_images(count: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
-    """A multi-image sample feeds each image as one tile."""
+    """A multi-image sample feeds each image as one tile (``multi_image: one_tile``)."""
     count = np.asarray(count, dtype=np.int64)
     return count, count * t.multi_image_tokens
+
+
+def multi_image_parts(width: np.ndarray, height: np.ndarray, images: np.ndarray,
+                      t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Tiles and LLM tokens of each image of multi-image samples, ``images[k]`` being the number
+    of images in image k's sample: one tile each, or (``multi_image: dynamic``, InternVL's
+    ``multi_modal_multi_image_get_item``) dynamic tiling with at most ``max(1, max_tiles // n)``
+    tiles plus a thumbnail."""
+    images = np.asarray(images, dtype=np.int64)
+    if t.multi_image == "one_tile":
+        return multi_images(np.ones_like(images), t)
+    budget = np.maximum(1, t.max_tiles // np.maximum(images, 1))
+    tiles = _dynamic_tiles(np.asarray(width, dtype=np.int64), np.asarray(height, dtype=np.int64), budget, t)
+    return tiles, tiles * t.multi_image_tokens
 
 
 def video_frames(duration_s: np.ndarray, t: TilingSpec) -> np.ndarray:
     """Frames sampled from videos of the given length: ``fps`` per second, at most ``max_frames``."""
     frames = np.ceil(np.asarray(duration_s, dtype=float) * t.fps).astype(np.int64)
     return np.clip(frames, 1, t.max_frames)
+
+
+def header_frames(total_frames: np.ndarray, average_fps: np.ndarray, t: TilingSpec) -> np.ndarray:
+    """LLaVA-NeXT's ``process_video_with_decord``: every ``round(avg_fps / fps)``-th frame of the
+    container, uniformly resampled to ``max_frames`` when that gives more."""
+    step = np.maximum(1, np.round(np.asarray(average_fps, dtype=float) / t.fps)).astype(np.int64)
+    frames = -(-np.asarray(total_frames, dtype=np.int64) // step)
+    return np.clip(frames, 1, t.max_frames)
+
+
+def uniform_frames(n: int, t: TilingSpec, rng: np.random.Generator) -> np.ndarray:
+    """InternVL's ``read_frames_decord``: ``min_frames`` to ``max_frames`` frames a video, drawn
+    uniformly whatever its length (short videos are padded with their last frame)."""
+    return rng.integers(t.min_frames, t.max_frames + 1, size=n, dtype=np.int64)
 
 
 def videos(frames: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,348 @@
+"""A dflop plan as the launch arguments of the frameworks people train with.
+
+``megatron``: Megatron-LM flags, as ``megatron/training/arguments.py`` names them
+(checked against core v0.13 and the 2026 main branch). ``torchtitan``: a TOML
+fragment with the ``[parallelism]``, ``[training]`` and ``[activation_checkpoint]``
+fields of torchtitan's ``JobConfig`` (the TOML configs of releases up to early
+2026; the same names are its ``--parallelism.*`` command-line flags and the fields
+of its ``ParallelismConfig``).
+
+Neither framework can express everything a plan says. What is lost is listed
+(``Export.unsupported``) and written into the output as comments, next to the
+piece of dflop that provides it: the per-step balanced bins come from
+:class:`dflop.schedule.sampler.BalancedBatchSampler`, and the comment shows how
+to hand it to the framework's data loader.
+
+Plan fields that later plans add (``hsdp``, ``fp32_grads``, ``recompute``) are read
+with defaults, so that older plan files export unchanged.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from dflop.errors import DflopError, PlanError
+from dflop.program.schedules import canonical
+from dflop.specs.hardware import TrainingSpec
+from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import Module, Plan
+
+LOOPED = ("1F1B", "Interleaved1F1B")
+"""Megatron-LM's pipeline schedules (1F1B, interleaved when a rank holds several stages)."""
+TORCH_NAMES = {"ZBH1": "InterleavedZeroBubble"}
+"""dflop schedule names that torch.distributed.pipelining spells differently."""
+
+
+class Target(str, Enum):
+    MEGATRON = "megatron"
+    TORCHTITAN = "torchtitan"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def title(self) -> str:
+        return "Megatron-LM" if self is Target.MEGATRON else "torchtitan"
+
+
+@dataclass(frozen=True)
+class Export:
+    target: Target
+    text: str
+    unsupported: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"target": str(self.target), "text": self.text, "unsupported": list(self.unsupported)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What both exporters read off a plan, with defaults for fields older plans lack."""
+
+    plan: Plan
+    model: MLLMSpec
+    global_batch: int
+    replicas: int
+    """HSDP: data-parallel groups that each hold a full (sharded) copy; 1 without HSDP."""
+    recompute: str
+    """none, full or selective."""
+    recompute_block: int
+    """Recompute only this many layers of each stage (Megatron's block method); 0: every layer."""
+    fp32_grads: bool
+
+    @property
+    def dp(self) -> int:
+        return self.plan.llm.dp
+
+    @property
+    def micro_batch(self) -> int:
+        return max(1, self.global_batch // (self.dp * self.plan.microbatches))
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        """LLM layers of each (virtual) stage, in stage order."""
+        return self.plan.stage_layers(Module.LLM, self.model)
+
+
+def settings(plan: Plan, model: MLLMSpec, *, global_batch: int, training: TrainingSpec | None = None) -> Settings:
+    """Read a plan with defaults for the fields it may lack; refuse what no framework could run."""
+    if global_batch < 1:
+        raise DflopError(f"global batch: must be at least 1, got {global_batch}")
+    layers = plan.stage_layers(Module.LLM, model)
+    if len(layers) != plan.stages(Module.LLM) or sum(layers) != model.llm.layers:
+        raise PlanError(f"plan [{plan.describe()}]: its LLM stages {list(layers)} do not split the "
+                        f"{model.llm.layers} layers of {model.llm.name} into {plan.stages(Module.LLM)} stages")
+    canonical(plan.schedule)  # an unknown schedule name is an error here, not a silent pass-through
+    recompute, block = _recompute(getattr(plan, "recompute", None),
+                                  training.recompute if training is not None else "none")
+    default_fp32 = training is not None and training.grad_bytes >= 4
+    return Settings(plan=plan, model=model, global_batch=global_batch, replicas=_replicas(plan),
+                    recompute=recompute, recompute_block=block,
+                    fp32_grads=bool(getattr(plan, "fp32_grads", default_fp32)))
+
+
+def _replicas(plan: Plan) -> int:
+    hsdp = getattr(plan, "hsdp", None)
+    if hsdp is None or hsdp is False:
+        return 1
+    if hsdp is True:
+        raise DflopError(f"plan [{plan.describe()}]: hsdp: true does not say how many replicas; "
+                         "give the number of replicated groups")
+    if not isinstance(hsdp, int) or hsdp < 1 or plan.llm.dp % hsdp:
+        raise DflopError(f"plan [{plan.describe()}]: hsdp: {hsdp!r} must be a whole divisor of llm dp "
+                         f"{plan.llm.dp}")
+    return hsdp
+
+
+def _recompute(value: Any, default: str) -> tuple[str, int]:
+    """(mode, block): a plan says ``recompute`` as none/full/selective, a bool, or how many layers
+    of each stage to recompute."""
+    value = default if value is None else value
+    value = getattr(value, "value", value)  # an enum member
+    if value is False or value in ("none", 0):
+        return "none", 0
+    if value is True or value in ("full", "selective"):
+        return str(value) if value is not True else "full", 0
+    if isinstance(value, int) and value > 0:
+        return "full", value
+    raise DflopError(f"recompute: {value!r} is not one of none, full, selective or a number of layers")
+
+
+# ---- what neither target can say ---------------------------------------------------------------
+
+def _common_gaps(s: Settings, target: Target) -> list[str]:
+    plan, out = s.plan, []
+    out.append(f"per-step balanced bins: {target.title} fills every microbatch with the same number of samples "
+               "in arrival order; dflop's bins (LLM replica x microbatch) differ in size and are balanced on "
+               "encoder and LLM work by dflop.schedule.sampler.BalancedBatchSampler (see the comment below)")
+    if s.global_batch % (s.dp * plan.microbatches):
+        out.append(f"global batch {s.global_batch} is not a multiple of llm dp {s.dp} x {plan.microbatches} "
+                   f"microbatches: the micro-batch size is rounded down to {s.micro_batch}")
+    return out
+
+
+def _sampler_comment(s: Settings, dp_size: str, dp_rank: str, loader_hook: str) -> list[str]:
+    """How to plug dflop's balancing into the target's data loader."""
+    return [
+        "dflop's balanced bins, in this framework's data loader:",
+        "  from dflop.schedule.sampler import BalancedBatchSampler",
+        "  from dflop.workload import DataProfile",
+        "  sampler = BalancedBatchSampler(",
+        "      DataProfile.load('data_profile.json'),  # `dflop profile data --dataset ... --out` of the train set",
+        f"      global_batch={s.global_batch}, microbatches={s.plan.microbatches}, solver='lpt', seed=0,",
+        f"      dp_size={dp_size}, dp_rank={dp_rank})",
+        "  loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)",
+        f"  {loader_hook}",
+        "Each iteration yields one microbatch of this rank (a different number of samples each time):",
+        "pack its samples into one sequence (variable-length attention) rather than padding them.",
+    ]
+
+
+def _comment(lines: list[str]) -> list[str]:
+    return [("# " + line).rstrip() for line in lines]
+
+
+def _gaps_comment(target: Target, gaps: list[str]) -> list[str]:
+    bullets = [textwrap.fill(g, 96, initial_indent="  - ", subsequent_indent="    ") for g in gaps]
+    return ["", f"What {target.title} cannot express:"] + "\n".join(bullets).splitlines() + [""]
+
+
+# ---- Megatron-LM -------------------------------------------------------------------------------
+
+def _megatron_split(s: Settings) -> list[str]:
+    """Flags for the layer split and the virtual stages: an even split needs none (or the virtual
+    stages per rank); uneven first and last stages have their own flags; anything else is a layout."""
+    layers, pp = s.stage_layers, s.plan.llm.pp
+    v = len(layers) // pp
+    if len(set(layers)) == 1:
+        return [f"--num-virtual-stages-per-pipeline-rank {v}"] if v > 1 else []
+    middle = layers[1:-1]
+    if v == 1 and len(set(middle)) <= 1:
+        flags = []
+        if not middle or layers[0] != middle[0]:
+            flags.append(f"--decoder-first-pipeline-num-layers {layers[0]}")
+        if middle and layers[-1] != middle[0]:
+            flags.append(f"--decoder-last-pipeline-num-layers {layers[-1]}")
+        return flags
+    # Megatron's layout: stages in order, split by "|"; E the embedding, t a layer, L the loss.
+    return ["--pipeline-model-parallel-layout 'E" + "|".join(f"t*{n}" for n in layers) + "L'"]
+
+
+def _megatron_zero(s: Settings) -> tuple[list[str], list[str]]:
+    zero, flags, gaps = getattr(s.plan, "zero", 1), [], []
+    if zero >= 1:
+        flags.append("--use-distributed-optimizer")
+    if zero >= 2:
+        strategy = "optim_grads" if zero == 2 else "optim_grads_params"
+        flags += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {strategy}"]
+    if s.replicas > 1:
+        if zero == 1:
+            flags.append(f"--num-distributed-optimizer-instances {s.replicas}")
+        else:
+            gaps.append(f"HSDP ({s.replicas} replicas of zero {zero} shards): Megatron-FSDP's hybrid sharding "
+                        "is not set by launch flags; the flags shard over all data-parallel ranks")
+    flags.append("--accumulate-allreduce-grads-in-fp32" if s.fp32_grads else "--grad-reduce-in-bf16")
+    return flags, gaps
+
+
+def _megatron_recompute(s: Settings) -> list[str]:
+    if s.recompute == "none":
+        return []
+    if s.recompute == "selective":
+        return ["--recompute-granularity selective"]
+    if s.recompute_block:
+        return ["--recompute-granularity full", "--recompute-method block",
+                f"--recompute-num-layers {s.recompute_block}"]
+    return ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
+
+
+def _megatron_encoder(s: Settings) -> tuple[list[str], list[str]]:
+    plan = s.plan
+    if plan.colocated:
+        return [], []
+    enc, llm = plan.encoder, plan.llm
+    flags = [f"--encoder-tensor-model-parallel-size {enc.tp}", f"--encoder-pipeline-model-parallel-size {enc.pp}"]
+    gaps = ["disaggregated placement: the encoder flags exist in Megatron-LM core v0.13 and earlier (removed in "
+            "v0.14), and there the encoder's stages join every LLM pipeline, with the LLM's data parallelism"]
+    if enc.dp != llm.dp:
+        gaps.append(f"encoder dp {enc.dp} differs from llm dp {llm.dp}: Megatron gives the encoder the LLM's "
+                    f"data parallelism ({llm.dp} x {enc.tp * enc.pp} encoder GPUs instead of {enc.gpus})")
+    if enc.tp > llm.tp:
+        gaps.append(f"encoder tp {enc.tp} above llm tp {llm.tp}: Megatron needs the encoder's tp at most the LLM's")
+    return flags, gaps
+
+
+def megatron(s: Settings) -> Export:
+    plan = s.plan
+    schedule = canonical(plan.schedule)
+    zero_flags, zero_gaps = _megatron_zero(s)
+    encoder_flags, encoder_gaps = _megatron_encoder(s)
+    flags = [f"--tensor-model-parallel-size {plan.llm.tp}", f"--pipeline-model-parallel-size {plan.llm.pp}",
+             *_megatron_split(s), *encoder_flags, f"--micro-batch-size {s.micro_batch}",
+             f"--global-batch-size {s.micro_batch * s.dp * plan.microbatches}",
+             *_megatron_recompute(s), *zero_flags]
+    gaps = _common_gaps(s, Target.MEGATRON) + zero_gaps + encoder_gaps
+    if plan.llm.pp > 1 and schedule not in LOOPED:
+        gaps.append(f"pipeline schedule {schedule}: Megatron-LM runs 1F1B (interleaved with virtual stages)")
+    if plan.llm.pp > 1 and len(s.stage_layers) > plan.llm.pp and plan.microbatches % plan.llm.pp:
+        gaps.append(f"{plan.microbatches} microbatches: Megatron's interleaved schedule wants a multiple of "
+                    f"pp {plan.llm.pp}")
+    head = [f"Megatron-LM launch flags for the dflop plan [{plan.describe()}]",
+            f"({plan.gpus} GPUs; add the model, data and optimizer flags of your run)"]
+    body = [f"{flag} \\" for flag in flags]
+    body[-1] = body[-1][:-2]
+    tail = _gaps_comment(Target.MEGATRON, gaps) + _sampler_comment(
+        s, "mpu.get_data_parallel_world_size()", "mpu.get_data_parallel_rank()",
+        "# return it from build_pretraining_data_loader (megatron/training/datasets/data_samplers.py)")
+    return Export(Target.MEGATRON, "\n".join(_comment(head) + body + _comment(tail)) + "\n", tuple(gaps))
+
+
+# ---- torchtitan --------------------------------------------------------------------------------
+
+def _titan_data_parallel(s: Settings) -> tuple[dict[str, Any], list[str]]:
+    plan, zero, gaps = s.plan, getattr(s.plan, "zero", 1), []
+    fields: dict[str, Any] = {}
+    if zero == 0 and plan.llm.tp == plan.llm.pp == 1:
+        fields.update(data_parallel_replicate_degree=s.dp, data_parallel_shard_degree=1)
+        return fields, gaps
+    fields.update(data_parallel_replicate_degree=s.replicas, data_parallel_shard_degree=s.dp // s.replicas)
+    if zero == 0:
+        gaps.append("zero 0 (plain data parallelism) with tp or pp: torchtitan's DDP is 1-D only; "
+                    "exported as FSDP")
+    elif zero in (1, 2):
+        fields["fsdp_reshard_after_forward"] = "never"
+        if zero == 1:
+            gaps.append("zero 1 (optimizer state sharded, weights and gradients whole): torchtitan shards with "
+                        "FSDP2; exported as FSDP keeping weights gathered between forward and backward (zero 2)")
+    return fields, gaps
+
+
+def _titan_pipeline(s: Settings) -> dict[str, Any]:
+    if s.plan.llm.pp == 1:
+        return {}
+    schedule = canonical(s.plan.schedule)
+    parts, first, last = [], 0, len(s.stage_layers) - 1
+    for k, n in enumerate(s.stage_layers):
+        parts.append((["tok_embeddings"] if k == 0 else []) + [f"layers.{i}" for i in range(first, first + n)]
+                     + (["norm", "output"] if k == last else []))
+        first += n
+    return {"pipeline_parallel_schedule": TORCH_NAMES.get(schedule, schedule),
+            "pipeline_parallel_microbatch_size": s.micro_batch, "module_fqns_per_model_part": parts}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return str(value)
+
+
+def torchtitan(s: Settings) -> Export:
+    plan = s.plan
+    dp_fields, gaps = _titan_data_parallel(s)
+    pp_fields = _titan_pipeline(s)
+    parallelism = {**dp_fields, "tensor_parallel_degree": plan.llm.tp, "pipeline_parallel_degree": plan.llm.pp,
+                   **pp_fields}
+    local = s.micro_batch * plan.microbatches
+    training = {"local_batch_size": local, "global_batch_size": local * s.dp}
+    gaps = _common_gaps(s, Target.TORCHTITAN) + gaps
+    if not s.fp32_grads:
+        gaps.append("bf16 gradient reduction: torchtitan reduces gradients in float32")
+    if s.recompute_block:
+        gaps.append(f"recomputing {s.recompute_block} layers of each stage: torchtitan's full mode recomputes "
+                    "every layer")
+    if plan.colocated:
+        gaps.append("the vision encoder: torchtitan's parallelism covers the language model; dflop runs the "
+                    f"encoder inside the first LLM stage with tp {plan.llm.tp}")
+    else:
+        gaps.append(f"disaggregated placement: the encoder's own {plan.encoder.gpus} GPUs "
+                    f"({plan.encoder.describe()}) feeding the LLM's; torchtitan runs one model on one mesh")
+    sections = {"parallelism": parallelism, "training": training,
+                "activation_checkpoint": {"mode": s.recompute}}
+    head = [f"torchtitan job config fragment for the dflop plan [{plan.describe()}]",
+            f"({plan.llm.gpus} GPUs for the LLM; merge into your train config's TOML)"]
+    if pp_fields:
+        head.append("module_fqns_per_model_part uses the module names of torchtitan's llama3 and qwen3 models")
+    lines = _comment(head)
+    for name, fields in sections.items():
+        lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
+    tail = _gaps_comment(Target.TORCHTITAN, gaps) + _sampler_comment(
+        s, "dp_world_size", "dp_rank", "# return it from your TrainSpec's build_dataloader_fn(dp_world_size, dp_rank, ...)")
+    return Export(Target.TORCHTITAN, "\n".join(lines + [""] + _comment(tail)) + "\n", tuple(gaps))
+
+
+def export_plan(plan: Plan, model: MLLMSpec, target: str | Target, *, global_batch: int,
+                training: TrainingSpec | None = None) -> Export:
+    """The plan as ``target``'s launch arguments, with what the target cannot express."""
+    names = [t.value for t in Target]
+    key = str(target).strip().lower()
+    if key not in names:
+        raise DflopError(f"--to {target}: unknown target (known: {', '.join(names)})")
+    s = settings(plan, model, global_batch=global_batch, training=training)
+    return megatron(s) if key == Target.MEGATRON else torchtitan(s)

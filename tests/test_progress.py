@@ -1,0 +1,108 @@
+"""Progress off a terminal, on a fake clock: at most one line per period, a last line when done;
+and the time estimate said before profiling on a CPU."""
+
+import io
+import re
+
+import pytest
+
+from cli_helpers import dflop
+from dflop.cli.progress import progress_bar
+from dflop.cost.flops import llm_layer_flops
+from dflop.profile.estimate import WARN_S, duration, profile_estimate
+from dflop.specs import presets
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def lines_of(stream):
+    return stream.getvalue().splitlines()
+
+
+def seconds(line):
+    fields = re.search(r"([\d:]+) elapsed", line).group(1).split(":")
+    return sum(int(x) * 60**i for i, x in enumerate(reversed(fields)))
+
+
+def run(updates, period=5.0, describe="profiling tiny-llm", unit="shapes"):
+    """Report ``(time, done, total)`` updates; return the lines written."""
+    clock, stream = FakeClock(), io.StringIO()
+    with progress_bar(describe, unit, stream=stream, terminal=False, clock=clock, period=period, beat=False) as p:
+        for t, done, total in updates:
+            clock.now = t
+            p("a shape", done, total)
+    return lines_of(stream)
+
+
+def test_at_most_one_line_per_period_and_a_last_line():
+    lines = run([(0.1 * k, k, 400) for k in range(401)])  # 40 s, ten updates a second
+    assert lines[-1] == "dflop: profiling tiny-llm: 400/400 shapes, 0:40 elapsed"
+    times = [seconds(line) for line in lines]
+    assert times[:-1] == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert all(b - a >= 5 for a, b in zip(times[:-2], times[1:-1]))
+
+
+def test_quick_work_writes_only_the_last_line():
+    assert run([(0.001 * k, k, 1000) for k in range(1001)]) == ["dflop: profiling tiny-llm: 1000/1000 shapes, 0:01 elapsed"]
+
+
+def test_gaps_grow_with_the_time_elapsed():
+    lines = run([(float(t), t, 7200) for t in range(7201)])  # two hours, an update a second
+    times = [seconds(line) for line in lines[:-1]]
+    assert all(b - a >= max(5, int(0.1 * b)) for a, b in zip(times, times[1:]))
+    assert len(lines) < 80  # not one line per five seconds (1440)
+
+
+def test_nothing_written_without_updates_or_on_error():
+    assert run([]) == []
+    clock, stream = FakeClock(), io.StringIO()
+    with pytest.raises(RuntimeError):
+        with progress_bar("profiling x", "shapes", stream=stream, terminal=False, clock=clock, beat=False) as p:
+            p("a", 1, 4)
+            raise RuntimeError("boom")
+    assert lines_of(stream) == []  # the error has its own line
+
+
+def test_heartbeat_between_updates_and_channels():
+    clock, stream = FakeClock(), io.StringIO()
+    with progress_bar(stream=stream, terminal=False, clock=clock, period=5.0, beat=False) as p:
+        p("dflop colocated", 3, 48)
+        clock.now = 4.0
+        p.display.tick()
+        assert lines_of(stream) == []
+        clock.now = 6.0
+        p.display.tick()  # one long unit of work: the line still comes
+        assert lines_of(stream) == ["dflop: searching dflop colocated plans: 3/48 plans, 0:06 elapsed"]
+        steps = p.channel("running {}", "steps")
+        clock.now = 7.0
+        steps("dflop", 2, 8)
+    assert lines_of(stream)[1:] == ["dflop: running dflop: 2/8 steps, 0:07 elapsed"]
+
+
+def test_profile_estimate():
+    cpu = presets.hardware("cpu")
+    # tiny shapes all take the profiler's minimum sample (3 x 20 ms), 1 probe + 2 warm-up + 7 repeats each.
+    tiny = profile_estimate("tiny-llm", cpu, grid="quick")
+    assert tiny.shapes == 10 and tiny.seconds == pytest.approx(10 * 10 * 0.060)
+    big = profile_estimate("qwen2.5-7b", cpu)
+    llm = presets.llm("qwen2.5-7b")
+    assert big.largest_flops == pytest.approx(float(llm_layer_flops(llm, 8192, 2 * 4096**2).total))
+    assert big.seconds > WARN_S > tiny.seconds
+    assert profile_estimate("qwen2.5-7b", cpu, tps=(2,)).seconds < big.seconds
+    assert [duration(s) for s in (40, 420, 22076)] == ["40 s", "7 min", "6 h 8 min"]
+
+
+def test_profiling_a_large_model_on_cpu_warns_before_starting(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = dflop("profile", "model", "--model", "qwen2.5-7b", "--out", blocker / "store", timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("dflop: error: ")
+    assert lines[0].startswith("dflop: warning: profiling qwen2.5-7b on cpu may take about ")
+    assert "--grid quick" in lines[0] and len(lines) == 2
