@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from dflop.errors import ManifestError
+from dflop.errors import ManifestError, SpecError
 from dflop.specs.loading import parse_yaml
 from dflop.workload.entries import decode
 
@@ -145,7 +145,10 @@ def _strategy(value: Any, where: str) -> Sampling:
 
 
 def data_yaml(path: Path, data: bytes) -> list[Source]:
-    doc = parse_yaml(decode(data, path), str(path))  # bounded nesting, no duplicate keys
+    try:
+        doc = parse_yaml(decode(data, path), str(path))  # bounded nesting, no duplicate keys
+    except SpecError as exc:
+        raise ManifestError(str(exc)) from None
     datasets = doc.get("datasets") if isinstance(doc, dict) else None
     if not isinstance(datasets, list) or not datasets:
         found = f"keys {', '.join(map(str, doc))}" if isinstance(doc, dict) and doc else type(doc).__name__
