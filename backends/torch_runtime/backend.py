@@ -122,7 +122,10 @@ class TorchBackend:
             compute_end = int(max(end[k] for k in graph.compute_nodes()))
             trace.step(i, offset, offset + compute_end, offset + step_ns, samples=len(steps[i].batch))
             loss = sum(r.steps[i - first]["loss"] for r in results.values() if r.tp_index == 0)
-            per_step.append({"step": i, "step_s": step_ns / 1e9, "compute_s": compute_end / 1e9, "loss": loss})
+            graph_ns = max(r.steps[i - first]["optimizer"][0] for r in results.values())
+            optimizer_ns = max(b - a for a, b in (r.steps[i - first]["optimizer"] for r in results.values()))
+            per_step.append({"step": i, "step_s": step_ns / 1e9, "graph_s": graph_ns / 1e9,
+                             "optimizer_s": optimizer_ns / 1e9, "compute_s": compute_end / 1e9, "loss": loss})
             if observe is not None:
                 observe(StepTimes(step, start, end))
             offset += step_ns

@@ -379,9 +379,11 @@ def run(config: Path | None, backend: str, steps: int | None, out: Path, resume:
 def _torch_human(r: dict[str, Any]) -> str:
     def line(name: str, x: dict[str, Any]) -> list[str]:
         return [f"{name:<9} {x['plan']['describe']}",
-                f"          measured step {x['step_time_s']['mean']:.3f} s (predicted {x['predicted_step_time_s']['mean']:.3f} s, "
-                f"{x['prediction_error']:+.1%}), {x['throughput_samples_per_s']:.1f} samples/s, bubbles "
-                f"{x['bubble_fraction']:.1%}, loss {x['losses'][0]:.4f} -> {x['losses'][-1]:.4f}"]
+                f"          measured step {x['step_time_s']['mean']:.3f} s = step graph {x['graph_time_s']['mean']:.3f} s "
+                f"+ optimizer {x['optimizer_time_s']['mean']:.3f} s; predicted graph "
+                f"{x['predicted_step_time_s']['mean']:.3f} s ({x['prediction_error']:+.1%} after step 1)",
+                f"          {x['throughput_samples_per_s']:.1f} samples/s, bubbles {x['bubble_fraction']:.1%}, "
+                f"loss {x['losses'][0]:.4f} -> {x['losses'][-1]:.4f}"]
 
     lines = [f"{r['model']} on {r['gpus']} {r['device']} processes (torch), {r['data']}, global batch "
              f"{r['global_batch']}, {r['steps']} steps"] + line("dflop", r)
