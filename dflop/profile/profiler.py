@@ -247,7 +247,7 @@ class Request:
     pair: MLLMSpec | None
     dtype: str
     torch_dtype: torch.dtype
-    grid: Any
+    grid: Grid
     store: ProfileStore
 
 
