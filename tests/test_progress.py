@@ -94,7 +94,8 @@ def test_profile_estimate():
     assert tiny.shapes == 10 and tiny.seconds == pytest.approx(10 * 10 * 0.060)
     big = profile_estimate("qwen2.5-7b", cpu)
     llm = presets.llm("qwen2.5-7b")
-    assert big.largest_flops == pytest.approx(float(llm_layer_flops(llm, 8192, 2 * 4096**2).total))
+    # the largest block: the CPU grid's 16384 tokens as four sequences of 4096
+    assert big.largest_flops == pytest.approx(float(llm_layer_flops(llm, 16384, 4 * 4096**2).total))
     assert big.seconds > WARN_S > tiny.seconds
     assert profile_estimate("qwen2.5-7b", cpu, tps=(2,)).seconds < big.seconds
     assert [duration(s) for s in (40, 420, 22076)] == ["40 s", "7 min", "6 h 8 min"]
