@@ -8,7 +8,8 @@ simulator, then writes the artifacts (traces, timelines, plan).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ from dflop.config_check import check_plan, load_config
 from dflop.cost.select import select_cost_model
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
-from dflop.plan.evaluate import BatchPool, PlanningProblem
+from dflop.plan.evaluate import BatchPool, Estimate, PlanningProblem
 from dflop.plan.search import OptimizeResult, Optimizer, Progress
 from dflop.plan.space import BASELINES, DFLOP
 from dflop.program.evaluate import evaluate
@@ -31,6 +32,7 @@ from dflop.schedule.step import StepSchedule, plan_costs, schedule_batch
 from dflop.specs.hardware import GIB
 from dflop.specs.loading import to_mapping
 from dflop.specs.plan import Plan
+from dflop.specs.plan_file import PlanFile, save_plan
 from dflop.specs.run import RunConfig
 from dflop.trace.chrome import save_trace
 from dflop.workload.data_profile import DataProfile, batches
@@ -65,10 +67,22 @@ def load_data(config: RunConfig) -> tuple[SampleTable, str]:
     return synthesize(mix(d.preset), d.samples, config.encoder, d.seed), f"preset {d.preset}"
 
 
-def setup(config_path: str | Path | None = None, *, gpus: int | None = None, backend: str = "sim",
-          log: Log = _stderr) -> Setup:
+def setup(config_path: str | Path | None = None, *, gpus: int | None = None, nodes: int | None = None,
+          plan_file: PlanFile | None = None, backend: str = "sim", log: Log = _stderr) -> Setup:
+    """The config's system and data; with a plan file, its plan and the cluster it was made for
+    (``gpus`` and ``nodes`` override either)."""
     config = load_config(config_path, backend)
-    cluster = config.cluster.with_gpus(gpus) if gpus else config.cluster
+    cluster = config.cluster
+    if plan_file is not None:
+        config = replace(config, plan=plan_file.plan)
+        if plan_file.cluster is not None:
+            cluster = plan_file.cluster.cluster(cluster.hardware, plan_file.where)
+            if gpus is None and nodes is None and cluster != config.cluster:
+                log(f"dflop: {plan_file.path} was made for {plan_file.cluster.describe()}: using that cluster "
+                    "(--gpus and --nodes choose another)")
+    cluster = cluster.resized(gpus=gpus, nodes=nodes)
+    if plan_file is not None:
+        check_plan(plan_file.plan, f"{plan_file.path}:", config, cluster)
     data, source = load_data(config)
     cost, note = select_cost_model(config.model, cluster.hardware, config.training, config.profiles, log)
     log(f"dflop: {config.model.name} on {cluster.gpus} x {cluster.hardware.name}, {source}; {note}")
@@ -96,6 +110,22 @@ def optimize(s: Setup, *, progress: Progress | None = None, baselines: bool = Tr
     optimizer = Optimizer(s.problem(), s.system.training.global_batch, confirm=confirm_with_simpy(s),
                           progress=progress)
     return optimizer.run((DFLOP,), BASELINES if baselines else ())
+
+
+def assess(s: Setup, plan: Plan) -> OptimizeResult:
+    """A given plan, reported as the optimizer reports its choice; the baseline is the same plan on
+    arrival-order batches, so the speedup is what balancing alone buys."""
+    plan.validate(s.system.cluster, s.system.model, s.system.training.global_batch)
+    optimizer = Optimizer(s.problem(), s.system.training.global_batch)
+    start = time.perf_counter()
+    mine, blind = (optimizer.ev.extend(Estimate(plan, aware, 0.0), optimizer.first) for aware in (True, False))
+    return OptimizeResult(mine, [], {"same plan, arrival order": blind}, {}, time.perf_counter() - start,
+                          optimizer.ideal())
+
+
+def gpu_note(plan: Plan, cluster_gpus: int) -> str | None:
+    """A plan that leaves GPUs of the cluster idle says so."""
+    return f"the plan uses {plan.gpus} of {cluster_gpus} GPUs" if plan.gpus < cluster_gpus else None
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
@@ -179,21 +209,26 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
     from dflop.viz.timeline import plot_timeline
 
     ensure_writable_folder(out, "output")
-    log("dflop: searching plans ...")
-    result = optimize(s, progress=progress)
+    if s.config.plan is None:
+        log("dflop: searching plans ...")
+        result = optimize(s, progress=progress)
+    else:
+        result = assess(s, s.config.plan)
     if not result.baselines:
         raise DflopError("no data-blind baseline plan fits this cluster to compare against")
     plan, base = result.best.plan, result.baseline
-    log(f"dflop: plan [{plan.describe()}]; baseline [{base.plan.describe()}]")
+    log(f"dflop: plan [{plan.describe()}]; baseline [{base.plan.describe()}]"
+        + (" with arrival-order batches" if base.plan == plan else ""))
+    note = gpu_note(plan, s.system.cluster.gpus)
+    if note:
+        log(f"dflop: {note}")
     solver = s.config.scheduler.solver
     mine, mine_info = simulate(s, plan, steps=steps, solver=solver, out=out, name="dflop",
                                deadline=0.5 * result.best.mean)
     theirs, theirs_info = simulate(s, base.plan, steps=steps, solver="sequential", out=out, name="baseline")
     timeline = plot_timeline(theirs.trace, out / "timeline.png", compare=mine.trace,
                              labels=("data-blind baseline", "dflop"))
-    from dflop.specs.loading import save_spec
-
-    plan_file = save_spec(plan, out / "plan.yaml")
+    plan_file = save_plan(plan, out / "plan.yaml", s.system.cluster)
     batch = s.system.training.global_batch
     ours, baseline = step_fields(mine, batch), step_fields(theirs, batch)
     return {
@@ -202,7 +237,8 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
         "speedup": baseline["step_time_s"]["mean"] / ours["step_time_s"]["mean"],
         "expected": {"step_time_s": result.best.mean, "baseline_step_time_s": base.mean,
                      "speedup": result.speedup, "ideal_step_time_s": result.ideal_s},
-        "steps": steps, "global_batch": batch, "gpus": s.system.cluster.gpus, "model": s.system.model.name,
+        "steps": steps, "global_batch": batch, "gpus": s.system.cluster.gpus, "plan_gpus": plan.gpus,
+        "model": s.system.model.name,
         "data": s.data_source, "cost_model": s.system.cost.name, "scheduler": mine_info["scheduler"],
         "search": {"seconds": result.seconds, "pruning": {k: v.as_dict() for k, v in result.stats.items()},
                    "why": result.why},
@@ -211,16 +247,10 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
     }
 
 
-def pick_plan(s: Setup, plan_path: Path | None, schedule: str | None, log: Log = _stderr) -> Plan:
-    """The plan to simulate: a file, the config's, or the optimizer's choice."""
-    from dataclasses import replace
-
-    from dflop.specs.loading import load_spec
-
-    if plan_path is not None:
-        plan = load_spec(Plan, plan_path)
-        check_plan(plan, f"{plan_path}:", s.config, s.system.cluster)
-    elif s.config.plan is not None:
+def pick_plan(s: Setup, schedule: str | None, log: Log = _stderr) -> Plan:
+    """The plan to simulate: the config's (or the plan file's, which :func:`setup` put there), or the
+    optimizer's choice."""
+    if s.config.plan is not None:
         plan = s.config.plan
     else:
         log("dflop: no plan given; searching one ...")

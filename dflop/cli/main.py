@@ -12,6 +12,7 @@ import click
 from dflop.cli.output import emit, fmt_stats, log
 from dflop.errors import DflopError, check_output, ensure_writable_folder
 from dflop.specs.limits import MAX_GLOBAL_BATCH, MAX_SAMPLES, MAX_STEPS
+from dflop.specs.scheduling import Solver
 from dflop.viz.style import IMAGE_SUFFIXES
 
 JSON_HELP = "Print exactly one JSON object on stdout (logs go to stderr)."
@@ -45,6 +46,22 @@ def pipeline_schedule(ctx: click.Context, param: click.Parameter, value: str | N
         return canonical(value)
     except DflopError as exc:
         raise click.BadParameter(str(exc), ctx, param) from None
+
+
+def cluster_options(f: Any) -> Any:
+    """--gpus and --nodes: the cluster's size instead of the plan file's or the config's."""
+    f = click.option("--nodes", type=click.IntRange(min=1),
+                     help="Nodes of the cluster (with --gpus: the GPUs per node follow).")(f)
+    return click.option("--gpus", type=click.IntRange(min=1),
+                        help="GPUs of the cluster (in whole nodes of the plan file's or the config's size, "
+                             "unless --nodes is given).")(f)
+
+
+def plan_file(path: Path | None) -> Any:
+    """The plan file named by --plan, read before any work."""
+    from dflop.specs.plan_file import load_plan
+
+    return load_plan(path) if path is not None else None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -207,19 +224,19 @@ def _warn_cpu_profile(model_name: str, grid: str | None, tps: tuple[int, ...], r
 
 @cli.command()
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
-@click.option("--gpus", type=click.IntRange(min=1), help="Plan for this many GPUs instead of the config's.")
-@click.option("--out", type=Output(), required=True, help="Plan (YAML) to write.")
+@cluster_options
+@click.option("--out", type=Output(), required=True, help="Plan (YAML) to write, with the cluster it is made for.")
 @json_option
-def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) -> None:
+def optimize(config: Path | None, gpus: int | None, nodes: int | None, out: Path, as_json: bool) -> None:
     """Choose tensor/pipeline/data parallelism for the encoder and the LLM."""
     from dflop import job
     from dflop.cli.progress import progress_bar
-    from dflop.specs.loading import save_spec
+    from dflop.specs.plan_file import save_plan
 
-    s = job.setup(config, gpus=gpus)
+    s = job.setup(config, gpus=gpus, nodes=nodes)
     with progress_bar() as progress:
         result = job.optimize(s, progress=progress)
-    save_spec(result.best.plan, out)
+    save_plan(result.best.plan, out, s.system.cluster)
     data = {**job.optimize_json(result, s.system.hardware.usable_memory_bytes), "out": str(out)}
 
     def human(r: dict[str, Any]) -> str:
@@ -253,7 +270,7 @@ def optimize(config: Path | None, gpus: int | None, out: Path, as_json: bool) ->
                    'or booleans) come back as given and must be unique.')
 @click.option("--bins", type=click.IntRange(min=1), required=True, help="Number of bins.")
 @click.option("--solver", default="auto", show_default=True,
-              help="auto, ilp, greedy, lpt, kk, sequential or random (any case).")
+              help=f"{', '.join(Solver)} (any case); sequential is arrival order, the data-blind baseline.")
 @click.option("--time-limit", type=float, default=1.0, show_default=True,
               help="Seconds the solver may take (finite, above 0).")
 @json_option
@@ -294,31 +311,36 @@ def schedule(items: Path, bins: int, solver: str, time_limit: float, as_json: bo
 
 @cli.command()
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
-@click.option("--plan", "plan_path", type=click.Path(path_type=Path), help="Plan YAML to simulate.")
+@click.option("--plan", "plan_path", type=click.Path(path_type=Path),
+              help="Plan YAML to simulate, on the cluster it was made for (default: the config's plan, else "
+                   "the optimizer's choice).")
+@cluster_options
 @click.option("--schedule", "schedule_name", callback=pipeline_schedule,
               help="Pipeline schedule (overrides the plan's).")
 @click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Steps to simulate.")
 @click.option("--out", type=Output(folder=True), default=Path("out/simulate"), show_default=True)
 @json_option
-def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | None, steps: int | None,
-             out: Path, as_json: bool) -> None:
+def simulate(config: Path | None, plan_path: Path | None, gpus: int | None, nodes: int | None,
+             schedule_name: str | None, steps: int | None, out: Path, as_json: bool) -> None:
     """Simulate a plan on the workload; write the trace and the timeline."""
     from dflop import job
     from dflop.viz.timeline import plot_timeline
 
-    s = job.setup(config)
-    plan = job.pick_plan(s, plan_path, schedule_name)
+    s = job.setup(config, gpus=gpus, nodes=nodes, plan_file=plan_file(plan_path))
+    plan = job.pick_plan(s, schedule_name)
     ensure_writable_folder(out, "output")
     sim, info = job.simulate(s, plan, steps=steps or s.config.steps, solver=s.config.scheduler.solver, out=out,
                              name="simulate")
     timeline = plot_timeline(sim.trace, out / "timeline.png")
     data = {"plan": job.plan_summary(plan), **job.step_fields(sim, s.system.training.global_batch),
-            "steps": sim.metrics.steps, "cost_model": s.system.cost.name, "scheduler": info["scheduler"],
-            "oom": sim.metrics.oom[:5], "artifacts": {"trace": info["trace"], "timeline": str(timeline)}}
+            "steps": sim.metrics.steps, "gpus": s.system.cluster.gpus, "plan_gpus": plan.gpus,
+            "note": job.gpu_note(plan, s.system.cluster.gpus), "cost_model": s.system.cost.name,
+            "scheduler": info["scheduler"], "oom": sim.metrics.oom[:5],
+            "artifacts": {"trace": info["trace"], "timeline": str(timeline)}}
 
     def human(r: dict[str, Any]) -> str:
         return "\n".join([
-            f"plan: {r['plan']['describe']}",
+            f"plan: {r['plan']['describe']}" + (f" ({r['note']})" if r["note"] else ""),
             f"  {r['steps']} steps, step {r['step_time_s']['mean']:.3f} s (p50 {r['step_time_s']['p50']:.3f}), "
             f"{r['throughput_samples_per_s']:.1f} samples/s",
             f"  bubbles {r['bubble_fraction']:.1%}, idle {r['idle_fraction']:.1%}, peak memory "
@@ -331,23 +353,31 @@ def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | N
 @cli.command()
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one of the backend).")
 @click.option("--backend", type=click.Choice(["sim", "torch"], case_sensitive=False), default="sim", show_default=True,
-              help="sim: the SimPy simulator on the cost model; torch: real processes (torch.distributed).")
+              help="sim: the SimPy simulator on the cost model; torch: trains the models for real on local "
+                   "processes it spawns (or under torchrun), each step timed next to the simulator's prediction.")
+@click.option("--plan", "plan_path", type=click.Path(path_type=Path),
+              help="Run this plan (on the cluster it was made for) against itself on arrival-order batches, "
+                   "instead of searching one.")
+@cluster_options
 @click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Steps to run.")
 @click.option("--out", type=Output(folder=True), default=Path("out/run"), show_default=True)
 @click.option("--resume", type=click.Path(exists=True, file_okay=False, writable=True, path_type=Path),
               help="Continue the checkpointed torch run in this folder "
               "(its plans and schedules; needs execution.checkpoint_every in the config).")
 @json_option
-def run(config: Path | None, backend: str, steps: int | None, out: Path, resume: Path | None, as_json: bool) -> None:
-    """Plan, schedule every step and execute it (simulated, or for real with --backend torch); compare with the
-    best data-blind baseline."""
+def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | None, nodes: int | None,
+        steps: int | None, out: Path, resume: Path | None, as_json: bool) -> None:
+    """Plan, schedule every step and execute it: simulated (sim), or trained for real (torch); compare with the
+    best data-blind baseline (with --plan: the same plan on arrival-order batches)."""
     from dflop.cli.progress import progress_bar
 
+    planned = plan_file(plan_path)
     if backend.lower() == "torch":
         from dflop import torch_run
 
         with progress_bar() as progress:
-            data = torch_run.run(config, steps=steps, out=out, resume=resume, progress=progress)
+            data = torch_run.run(config, steps=steps, out=out, resume=resume, progress=progress,
+                                 plan_file=planned, gpus=gpus, nodes=nodes)
         if data is not None:  # under torchrun only rank 0 reports
             emit(data, as_json, _torch_human)
         return
@@ -355,7 +385,7 @@ def run(config: Path | None, backend: str, steps: int | None, out: Path, resume:
         raise click.UsageError("--resume continues a torch run; add --backend torch")
     from dflop import job
 
-    s = job.setup(config)
+    s = job.setup(config, gpus=gpus, nodes=nodes, plan_file=planned)
     ensure_writable_folder(out, "output")
     with progress_bar() as progress:
         data = job.run(s, steps=steps or s.config.steps, out=out, progress=progress)
@@ -449,18 +479,20 @@ def plot_timeline(trace: Path, out: Path, compare: Path | None, step: int | str 
 @json_option
 def export(plan_path: Path, target: str, config: Path | None, global_batch: int | None, as_json: bool) -> None:
     """Write a plan as another framework's launch arguments; say what that framework cannot express."""
-    from dataclasses import replace
-
     from dflop.config_check import check_plan, load_config
     from dflop.export import export_plan
-    from dflop.specs.loading import load_spec
-    from dflop.specs.plan import Plan
+    from dflop.specs.hardware import ClusterSpec
 
-    plan = load_spec(Plan, plan_path)
+    planned = plan_file(plan_path)
+    plan = planned.plan
     run_config = load_config(config)
-    per_node = run_config.cluster.gpus_per_node  # the plan's own GPU count, in nodes of the config's hardware
-    check_plan(plan, f"{plan_path}:", run_config, replace(run_config.cluster, nodes=-(-plan.gpus // per_node)),
-               global_batch)
+    if planned.cluster is not None:
+        cluster = planned.cluster.cluster(run_config.cluster.hardware, planned.where)
+    else:  # the plan's own GPU count, in nodes of the config's hardware
+        per_node = run_config.cluster.gpus_per_node
+        cluster = ClusterSpec(hardware=run_config.cluster.hardware, nodes=-(-plan.gpus // per_node),
+                              gpus_per_node=per_node)
+    check_plan(plan, f"{plan_path}:", run_config, cluster, global_batch)
     result = export_plan(plan, run_config.model, target, training=run_config.training,
                          global_batch=global_batch or run_config.training.global_batch)
     emit(result.as_dict(), as_json, lambda r: r["text"])

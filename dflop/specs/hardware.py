@@ -127,6 +127,16 @@ class ClusterSpec:
                 f"gpus: {gpus} is not a whole number of {per_node}-GPU nodes")
         return ClusterSpec(hardware=self.hardware, nodes=gpus // per_node, gpus_per_node=per_node)
 
+    def resized(self, *, gpus: int | None = None, nodes: int | None = None) -> "ClusterSpec":
+        """The same hardware with another GPU and/or node count (``--gpus``, ``--nodes``): nodes
+        alone keep the GPUs per node, GPUs alone keep whole nodes, both set the GPUs per node."""
+        if nodes is None:
+            return self if gpus is None else self.with_gpus(gpus)
+        if gpus is None:
+            return ClusterSpec(hardware=self.hardware, nodes=nodes, gpus_per_node=self.gpus_per_node)
+        require(gpus % nodes == 0, f"gpus: {gpus} GPUs do not split evenly over {nodes} nodes")
+        return ClusterSpec(hardware=self.hardware, nodes=nodes, gpus_per_node=gpus // nodes)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:

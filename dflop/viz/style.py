@@ -36,18 +36,15 @@ COMM_NAMES = {"p2p": "p2p send", "bridge": "encoder->LLM bridge", "reduce_grad":
 
 
 def figure(rows: int, cols: int, size: tuple[float, float], **kwargs: Any):
-    import matplotlib
+    """A figure of its own, outside pyplot: no backend is chosen or switched (a notebook's inline
+    display keeps working), and nothing stays open once it is saved or dropped."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(rows, cols, figsize=size, **kwargs)
-    return fig, axes
+    fig = Figure(figsize=size)
+    return fig, fig.subplots(rows, cols, **kwargs)
 
 
 def save(fig: Any, path: str | Path) -> Path:
-    import matplotlib.pyplot as plt
-
     p = Path(path)
     try:
         check_output(p, suffixes=IMAGE_SUFFIXES)
@@ -55,6 +52,4 @@ def save(fig: Any, path: str | Path) -> Path:
         fig.savefig(p, dpi=110, bbox_inches="tight")
     except OSError as exc:
         raise DflopError(f"{p}: cannot write the figure ({exc.strerror})") from None
-    finally:
-        plt.close(fig)
     return p

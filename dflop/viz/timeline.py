@@ -296,7 +296,13 @@ def _draw(ax: Any, panel: Panel, tl: Timeline) -> None:
 
 
 def draw(tl: Timeline, path: str | Path) -> Path:
-    """Draw a :class:`Timeline` to a PNG: its panels stacked, on one time axis, one legend below."""
+    """Draw a :class:`Timeline` to a PNG."""
+    return style.save(figure(tl), path)
+
+
+def figure(tl: Timeline) -> Any:
+    """A :class:`Timeline` as a matplotlib Figure (a notebook shows it inline): its panels stacked,
+    on one time axis, one legend below."""
     heights = [max(2.4, 0.34 * len(p.rows) + 1.6) for p in tl.panels]
     fig, axes = style.figure(len(tl.panels), 1, size=(13, sum(heights) + 0.6), sharex=True,
                              gridspec_kw={"height_ratios": heights})
@@ -315,7 +321,7 @@ def draw(tl: Timeline, path: str | Path) -> Path:
     names = list(dict.fromkeys(n for n in names if n in handles))
     fig.legend([handles[n] for n in names], names, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=6,
                fontsize=8, frameon=False)
-    return style.save(fig, path)
+    return fig
 
 
 def plot_timeline(doc: dict[str, Any], path: str | Path, *, compare: dict[str, Any] | None = None,
@@ -323,3 +329,9 @@ def plot_timeline(doc: dict[str, Any], path: str | Path, *, compare: dict[str, A
                   window: tuple[float, float] | None = None) -> Path:
     """Draw ``doc`` (and ``compare`` below it, on the same time axis) to a PNG; see :func:`layout`."""
     return draw(layout(doc, compare=compare, labels=labels, step=step, window=window, max_rows=max_rows), path)
+
+
+def timeline_figure(doc: dict[str, Any], *, compare: dict[str, Any] | None = None, labels: Sequence[str] = ("", ""),
+                    max_rows: int = 40, step: Step = None, window: tuple[float, float] | None = None) -> Any:
+    """What :func:`plot_timeline` draws, as a matplotlib Figure to show rather than a file."""
+    return figure(layout(doc, compare=compare, labels=labels, step=step, window=window, max_rows=max_rows))
