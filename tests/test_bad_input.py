@@ -164,6 +164,12 @@ CONFIG_REQUIRED = [("encoder",), ("llm",), ("cluster",), ("training",), ("cluste
 PLAN_REQUIRED = [("encoder",), ("llm",), ("microbatches",)]
 
 
+def plan_tree() -> dict:
+    """A plan file as `dflop optimize` writes it: the plan and the cluster it was made for."""
+    plan = Plan(encoder=ModulePlan(dp=8), llm=ModulePlan(dp=8), placement="colocated", microbatches=2)
+    return {**to_mapping(plan), "cluster": {"hardware": "h100", "nodes": 1, "gpus_per_node": 8}}
+
+
 def trace_tree() -> dict:
     t = TraceBuilder(meta={"peak_flops": 1e12})
     t.set_workers([{"name": f"r{r}", "module": "llm", "rank": r, "replica": 0, "gpus": [r]} for r in range(2)])
@@ -178,11 +184,14 @@ def trace_tree() -> dict:
 def test_the_documents_the_fuzz_starts_from_are_valid(tmp_path):
     from dflop.config_check import check_run_config
     from dflop.specs.loading import from_mapping
+    from dflop.specs.plan_file import load_plan
     from dflop.specs.run import RunConfig
     from dflop.trace.chrome import check_trace
 
     check_run_config(from_mapping(RunConfig, config_tree(), "c:"), "c")
     check_trace(trace_tree(), "t")
+    (tmp_path / "plan.yaml").write_text(dump_yaml(plan_tree()))
+    assert load_plan(tmp_path / "plan.yaml").cluster.gpus == 8
     path = tmp_path / "t.json"
     path.write_text(dump_json(trace_tree()))
     ran = dflop_here("plot", "timeline", path, "--out", tmp_path / "t.png", "--json")
@@ -205,8 +214,7 @@ def test_bad_run_configs(tmp_path_factory, data, command):
 @given(data=st.data())
 def test_bad_plans(tmp_path_factory, data):
     folder = tmp_path_factory.mktemp("plan")
-    plan = to_mapping(Plan(encoder=ModulePlan(dp=8), llm=ModulePlan(dp=8), placement="colocated", microbatches=2))
-    how, tree, raw = data.draw(mutation(plan, PLAN_REQUIRED))
+    how, tree, raw = data.draw(mutation(plan_tree(), PLAN_REQUIRED))
     path = write(folder / "plan.yaml", tree, raw, dump_yaml, data)
     config = write(folder / "run.yaml", {k: v for k, v in config_tree().items() if k != "plan"}, None, dump_yaml, data)
     assert_refused(dflop_here("simulate", "--config", config, "--plan", path, "--out", folder / "out"), str(path))

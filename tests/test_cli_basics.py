@@ -167,6 +167,9 @@ def test_sizes_and_seeds_on_the_command_line(tmp_path):
     assert_only_error(dflop_here("profile", "data", "--preset", "llava-ov", "--seed", -1, "--out", out),
                       "Invalid value for '--seed'", "x>=0")
     assert_only_error(dflop_here("simulate", "--steps", 10**9, "--out", tmp_path), "Invalid value for '--steps'")
+    for option in ("--gpus", "--nodes"):
+        assert_only_error(dflop_here("optimize", option, 10**30, "--out", tmp_path / "p.yaml"),
+                          f"Invalid value for '{option}'", "1<=x<=1000000")
     assert_only_error(dflop_here("simulate", "--schedule", "2F2B", "--out", tmp_path),
                       "Invalid value for '--schedule'", "unknown pipeline schedule '2F2B'")
 

@@ -116,7 +116,7 @@ def test_a_plan_for_other_hardware_runs_on_that_hardware(tmp_path):
 @pytest.mark.parametrize("cluster, message", [
     ({"hardware": "TPU-v5", "nodes": 1, "gpus_per_node": 4}, "plan.yaml: cluster: hardware 'TPU-v5' is neither"),
     ({"hardware": "h100", "gpus": 4}, "plan.yaml: cluster: unknown key 'gpus'"),
-    ({"hardware": "h100", "nodes": 0, "gpus_per_node": 4}, "plan.yaml: cluster: nodes: must be at least 1"),
+    ({"hardware": "h100", "nodes": 0, "gpus_per_node": 4}, "plan.yaml: cluster.nodes: must be at least 1"),
 ])
 def test_a_bad_recorded_cluster_is_a_one_line_error(tmp_path, cluster, message):
     plan = load_plan_from({**TWO_TP2, "cluster": cluster}, tmp_path)

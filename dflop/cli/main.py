@@ -11,7 +11,7 @@ import click
 
 from dflop.cli.output import emit, fmt_stats, log
 from dflop.errors import DflopError, check_output, ensure_writable_folder
-from dflop.specs.limits import MAX_GLOBAL_BATCH, MAX_SAMPLES, MAX_STEPS
+from dflop.specs.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SAMPLES, MAX_STEPS
 from dflop.specs.scheduling import Solver
 from dflop.viz.style import IMAGE_SUFFIXES
 
@@ -50,9 +50,9 @@ def pipeline_schedule(ctx: click.Context, param: click.Parameter, value: str | N
 
 def cluster_options(f: Any) -> Any:
     """--gpus and --nodes: the cluster's size instead of the plan file's or the config's."""
-    f = click.option("--nodes", type=click.IntRange(min=1),
+    f = click.option("--nodes", type=click.IntRange(1, MAX_GPUS),
                      help="Nodes of the cluster (with --gpus: the GPUs per node follow).")(f)
-    return click.option("--gpus", type=click.IntRange(min=1),
+    return click.option("--gpus", type=click.IntRange(1, MAX_GPUS),
                         help="GPUs of the cluster (in whole nodes of the plan file's or the config's size, "
                              "unless --nodes is given).")(f)
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 
 from dflop.errors import SpecError
-from dflop.specs.limits import MAX_GLOBAL_BATCH
+from dflop.specs.limits import MAX_GLOBAL_BATCH, MAX_GPUS
 from dflop.specs.loading import at, check_numbers, limit, require
 
 GIB = 1024**3
@@ -105,13 +105,13 @@ class ClusterSpec:
     """Nodes of identical GPUs; GPU ``g`` sits on node ``g // gpus_per_node``."""
 
     hardware: HardwareSpec
-    nodes: int
-    gpus_per_node: int
+    nodes: int = field(metadata=limit(1, MAX_GPUS))
+    gpus_per_node: int = field(metadata=limit(1, MAX_GPUS))
 
     def __post_init__(self) -> None:
         check_numbers(self)
-        require(self.nodes >= 1, f"nodes: must be at least 1, got {self.nodes}")
-        require(self.gpus_per_node >= 1, f"gpus_per_node: must be at least 1, got {self.gpus_per_node}")
+        require(self.gpus <= MAX_GPUS, f"nodes: {self.nodes} nodes of {self.gpus_per_node} GPUs are more than "
+                                       f"{MAX_GPUS} GPUs")
 
     @property
     def gpus(self) -> int:

@@ -20,3 +20,5 @@ MAX_GLOBAL_BATCH = 1_000_000
 """Samples per optimizer step (every candidate plan holds a few global batches in memory)."""
 MAX_STEPS = 100_000
 """Steps simulated in one run (every step's events are kept in one trace)."""
+MAX_GPUS = 1_000_000
+"""GPUs (and nodes) of a cluster: beyond any machine built, small enough to search plans for."""

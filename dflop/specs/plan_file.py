@@ -9,7 +9,7 @@ Files written before the cluster was recorded (and hand-written ones) have no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -17,7 +17,8 @@ import yaml
 from dflop.errors import SpecError
 from dflop.specs import presets
 from dflop.specs.hardware import ClusterSpec, HardwareSpec
-from dflop.specs.loading import child, from_mapping, load_yaml, require, to_mapping
+from dflop.specs.limits import MAX_GPUS
+from dflop.specs.loading import check_numbers, child, from_mapping, limit, load_yaml, require, to_mapping
 from dflop.specs.plan import Plan
 
 CLUSTER_KEY = "cluster"
@@ -29,13 +30,12 @@ class PlannedCluster:
 
     hardware: str
     """The hardware's name (``HardwareSpec.name``, e.g. H100-SXM5-80GB) or a preset name."""
-    nodes: int
-    gpus_per_node: int
+    nodes: int = field(metadata=limit(1, MAX_GPUS))
+    gpus_per_node: int = field(metadata=limit(1, MAX_GPUS))
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         require(bool(self.hardware.strip()), "hardware: must name the hardware, got an empty string")
-        require(self.nodes >= 1, f"nodes: must be at least 1, got {self.nodes}")
-        require(self.gpus_per_node >= 1, f"gpus_per_node: must be at least 1, got {self.gpus_per_node}")
 
     @classmethod
     def of(cls, cluster: ClusterSpec) -> "PlannedCluster":
