@@ -5,7 +5,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.dflop-installed
 ARGS   ?=
 
-.PHONY: run test bench clean
+.PHONY: run test bench notebooks clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ test: $(STAMP)
 # Every benchmark, then benchmarks/REPORT.md and benchmarks/results/*.json (ARGS=--quick: a dry run).
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/report.py $(ARGS)
+
+# Execute every notebook (or NOTEBOOKS="notebooks/x.ipynb ...") and store it with its outputs.
+notebooks: $(STAMP)
+	$(VENV)/bin/python notebooks/execute.py $(NOTEBOOKS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -44,3 +44,25 @@ def ensure_writable_folder(folder: str | Path, what: str) -> Path:
     if not os.access(folder, os.W_OK):
         raise DflopError(f"{folder}: {what} folder is not writable")
     return folder
+
+
+def check_output(path: str | Path, *, folder: bool = False, suffixes: tuple[str, ...] = ()) -> Path:
+    """Check, before any work and without creating anything, that ``path`` can be written: a file
+    (or with ``folder``, a folder) that is not a thing of the other kind, with one of ``suffixes``
+    when some are given, under a folder that exists or can be made and is writable."""
+    path = Path(path)
+    if folder and path.exists() and not path.is_dir():
+        raise DflopError(f"{path}: exists and is not a folder")
+    if not folder and path.is_dir():
+        raise DflopError(f"{path}: is a folder, expected a file name")
+    if suffixes and path.suffix.lower() not in suffixes:
+        kind = f"unsupported file type '{path.suffix}'" if path.suffix else "no file type"
+        raise DflopError(f"{path}: {kind} (use {', '.join(suffixes)})")
+    nearest = path if folder else path.parent
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise DflopError(f"{path}: cannot be written, {nearest} is not a folder")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise DflopError(f"{path}: cannot be written, {nearest} is not writable")
+    return path

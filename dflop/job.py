@@ -8,6 +8,7 @@ simulator, then writes the artifacts (traces, timelines, plan).
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -16,11 +17,12 @@ import numpy as np
 
 from dflop.backends.base import Backend, BackendResult, ScheduledBatch
 from dflop.backends.sim import SimBackend
+from dflop.config_check import check_plan, load_config
 from dflop.cost.select import prediction_error, select_cost_model
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
-from dflop.plan.evaluate import BatchPool, PlanningProblem
-from dflop.plan.report import OptimizeResult, implausible, score
+from dflop.plan.evaluate import BatchPool, Estimate, PlanningProblem
+from dflop.plan.report import Baseline, OptimizeResult, implausible, score
 from dflop.plan.search import Optimizer, Progress
 from dflop.plan.space import BASELINES, DFLOP
 from dflop.program.evaluate import evaluate
@@ -32,7 +34,8 @@ from dflop.schedule.step import StepSchedule, plan_costs, schedule_batch
 from dflop.specs.hardware import GIB
 from dflop.specs.loading import to_mapping
 from dflop.specs.plan import Plan
-from dflop.specs.run import RunConfig, load_run_config
+from dflop.specs.plan_file import PlanFile, save_plan
+from dflop.specs.run import RunConfig
 from dflop.trace.chrome import save_trace
 from dflop.workload.data_profile import DataProfile, batches
 from dflop.workload.manifest import read_manifest
@@ -66,10 +69,22 @@ def load_data(config: RunConfig) -> tuple[SampleTable, str]:
     return synthesize(mix(d.preset), d.samples, config.encoder, d.seed), f"preset {d.preset}"
 
 
-def setup(config_path: str | Path | None = None, *, gpus: int | None = None, backend: str = "sim",
-          log: Log = _stderr) -> Setup:
-    config = load_run_config(config_path, backend)
-    cluster = config.cluster.with_gpus(gpus) if gpus else config.cluster
+def setup(config_path: str | Path | None = None, *, gpus: int | None = None, nodes: int | None = None,
+          plan_file: PlanFile | None = None, backend: str = "sim", log: Log = _stderr) -> Setup:
+    """The config's system and data; with a plan file, its plan and the cluster it was made for
+    (``gpus`` and ``nodes`` override either)."""
+    config = load_config(config_path, backend)
+    cluster = config.cluster
+    if plan_file is not None:
+        config = replace(config, plan=plan_file.plan)
+        if plan_file.cluster is not None:
+            cluster = plan_file.cluster.cluster(cluster.hardware, plan_file.where)
+            if gpus is None and nodes is None and cluster != config.cluster:
+                log(f"dflop: {plan_file.path} was made for {plan_file.cluster.describe()}: using that cluster "
+                    "(--gpus and --nodes choose another)")
+    cluster = cluster.resized(gpus=gpus, nodes=nodes)
+    if plan_file is not None:
+        check_plan(plan_file.plan, f"{plan_file.path}:", config, cluster)
     data, source = load_data(config)
     cost, note = select_cost_model(config.model, cluster.hardware, config.training, config.profiles, log)
     log(f"dflop: {config.model.name} on {cluster.gpus} x {cluster.hardware.name}, {source}; {note}")
@@ -110,6 +125,24 @@ def optimize(s: Setup, *, progress: Progress | None = None, baselines: bool = Tr
     optimizer = Optimizer(s.problem(), s.system.training.global_batch, confirm=confirm_with_simpy(s),
                           progress=progress, noise=sigma if baselines else 0.0)
     return optimizer.run((DFLOP,), BASELINES if baselines else ())
+
+
+def assess(s: Setup, plan: Plan) -> OptimizeResult:
+    """A given plan, reported as the optimizer reports its choice; the baseline is the same plan on
+    arrival-order batches (its twin with dflop's bins is the plan itself), so the speedup is what
+    balancing alone buys."""
+    plan.validate(s.system.cluster, s.system.model, s.system.training.global_batch)
+    optimizer = Optimizer(s.problem(), s.system.training.global_batch)
+    start = time.perf_counter()
+    mine, blind = (optimizer.ev.extend(Estimate(plan, rule, 0.0), optimizer.first)
+                   for rule in (Batching.BALANCED, Batching.ARRIVAL))
+    return OptimizeResult(mine, [], [Baseline("same plan", Batching.ARRIVAL, blind, mine)], {},
+                          time.perf_counter() - start, optimizer.ideal(), s.system.hardware)
+
+
+def gpu_note(plan: Plan, cluster_gpus: int) -> str | None:
+    """A plan that leaves GPUs of the cluster idle says so."""
+    return f"the plan uses {plan.gpus} of {cluster_gpus} GPUs" if plan.gpus < cluster_gpus else None
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
@@ -201,15 +234,37 @@ def step_fields(sim: BackendResult, global_batch: int) -> dict[str, Any]:
             "oom_events": len(m.oom)}
 
 
+def _simulate_arms(s: Setup, result: OptimizeResult, steps: int,
+                   out: Path) -> tuple[dict[str, BackendResult], dict[str, dict[str, Any]]]:
+    """dflop's plan with its bins, the strongest baseline with its own rule and, as the
+    decomposition's middle point, that baseline's plan with dflop's bins (unless that is dflop's
+    plan itself), each on the same batches."""
+    best, strongest = result.best, result.strongest
+    runs = {"dflop": (best.plan, best.batching), "baseline": (strongest.best.plan, strongest.best.batching)}
+    if strongest.balanced is not None and strongest.balanced is not best:
+        runs["baseline_balanced"] = (strongest.best.plan, Batching.BALANCED)
+    sims, infos = {}, {}
+    for name, (plan, batching) in runs.items():
+        sims[name], infos[name] = simulate(s, plan, steps=steps, solver=s.config.scheduler.solver, out=out,
+                                           name=name, deadline=0.5 * best.mean, batching=batching)
+    if strongest.balanced is best:
+        sims["baseline_balanced"] = sims["dflop"]
+    return sims, infos
+
+
 def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, log: Log = _stderr,
         noise: float | None = None) -> dict[str, Any]:
-    """Optimize, then simulate dflop's plan with its bins, the strongest baseline with its own
-    batching rule and that baseline's plan with dflop's bins, on the same batches; compare."""
+    """Optimize (with a plan in the config: that plan, against itself on arrival-order batches), then
+    simulate dflop's plan with its bins, the strongest baseline with its own batching rule and that
+    baseline's plan with dflop's bins, on the same batches; compare."""
     from dflop.viz.timeline import plot_timeline
 
     ensure_writable_folder(out, "output")
-    log("dflop: searching plans ...")
-    result = optimize(s, progress=progress, noise=noise)
+    if s.config.plan is None:
+        log("dflop: searching plans ...")
+        result = optimize(s, progress=progress, noise=noise)
+    else:
+        result = assess(s, s.config.plan)
     strongest = result.strongest
     if strongest is None:
         raise DflopError("no baseline plan fits this cluster to compare against: "
@@ -217,19 +272,13 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
     best, base = result.best, strongest.best
     log(f"dflop: plan [{best.plan.describe()}] ({best.batching}); strongest baseline {strongest.name} "
         f"[{base.plan.describe()}]")
-    solver = s.config.scheduler.solver
-    runs = {"dflop": (best.plan, best.batching), "baseline": (base.plan, base.batching)}
-    if strongest.balanced is not None:  # the decomposition's middle point: its plan with dflop's bins
-        runs["baseline_balanced"] = (base.plan, Batching.BALANCED)
-    sims, infos = {}, {}
-    for name, (plan, batching) in runs.items():
-        sims[name], infos[name] = simulate(s, plan, steps=steps, solver=solver, out=out, name=name,
-                                           deadline=0.5 * best.mean, batching=batching)
+    note = gpu_note(best.plan, s.system.cluster.gpus)
+    if note:
+        log(f"dflop: {note}")
+    sims, infos = _simulate_arms(s, result, steps, out)
     timeline = plot_timeline(sims["baseline"].trace, out / "timeline.png", compare=sims["dflop"].trace,
                              labels=(f"strongest baseline ({strongest.name})", "dflop"))
-    from dflop.specs.loading import save_spec
-
-    plan_file = save_spec(best.plan, out / "plan.yaml")
+    plan_file = save_plan(best.plan, out / "plan.yaml", s.system.cluster)
     batch = s.system.training.global_batch
     fields = {name: step_fields(sim, batch) for name, sim in sims.items()}
     time_of = {name: f["step_time_s"]["mean"] for name, f in fields.items()}
@@ -247,7 +296,8 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
                      "decomposition": result.decomposition, "ideal_step_time_s": result.ideal_s},
         "prediction_error": expected["prediction_error"],
         "warnings": expected["warnings"] + implausible("dflop (simulated)", fields["dflop"]["mfu"], s.system.hardware),
-        "steps": steps, "global_batch": batch, "gpus": s.system.cluster.gpus, "model": s.system.model.name,
+        "steps": steps, "global_batch": batch, "gpus": s.system.cluster.gpus, "plan_gpus": best.plan.gpus,
+        "model": s.system.model.name,
         "data": s.data_source, "cost_model": s.system.cost.name, "scheduler": infos["dflop"]["scheduler"],
         "search": {"seconds": result.seconds, "pruning": expected["pruning"], "why": result.why},
         "artifacts": {"trace": infos["dflop"]["trace"], "baseline_trace": infos["baseline"]["trace"],
@@ -255,13 +305,10 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
     }
 
 
-def pick_plan(s: Setup, plan_path: Path | None, schedule: str | None, log: Log = _stderr) -> Plan:
-    """The plan to simulate: a file, the config's, or the optimizer's choice."""
-    from dflop.specs.loading import load_spec
-
-    if plan_path is not None:
-        plan = load_spec(Plan, plan_path)
-    elif s.config.plan is not None:
+def pick_plan(s: Setup, schedule: str | None, log: Log = _stderr) -> Plan:
+    """The plan to simulate: the config's (or the plan file's, which :func:`setup` put there), or the
+    optimizer's choice."""
+    if s.config.plan is not None:
         plan = s.config.plan
     else:
         log("dflop: no plan given; searching one ...")

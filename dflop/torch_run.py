@@ -27,14 +27,16 @@ from dflop import job
 from dflop.backends.base import BackendResult, ScheduledBatch
 from dflop.backends.torch_runtime.backend import TorchBackend, under_torchrun
 from dflop.backends.torch_runtime.worker import TorchOptions
+from dflop.config_check import check_plan, load_config
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
 from dflop.program.steps import StepRunner
 from dflop.schedule.batching import Batching
 from dflop.specs.execution import Device
-from dflop.specs.loading import load_spec, save_spec
+from dflop.specs.loading import load_json
 from dflop.specs.plan import Plan
-from dflop.specs.run import RunConfig, load_run_config
+from dflop.specs.plan_file import PlanFile, load_plan, save_plan
+from dflop.specs.run import RunConfig
 from dflop.workload.sample import SampleTable
 
 
@@ -50,26 +52,46 @@ class Arm:
     batching: Batching = Batching.BALANCED
 
 
-def _save_arm(arm: Arm, out: Path) -> None:
-    save_spec(arm.plan, out / f"{arm.name}.plan.yaml")
+def _save_arm(arm: Arm, out: Path, system: System) -> None:
+    save_plan(arm.plan, out / f"{arm.name}.plan.yaml", system.cluster)
     folder = ensure_writable_folder(out / "schedules" / arm.name, "schedule")
     for i, s in enumerate(arm.steps):
         (folder / f"step-{i:06d}.json").write_text(json.dumps({
             "solver": arm.solver, "batch": s.batch.columns(), "assignment": [int(a) for a in s.assignment]}))
 
 
-def _load_arm(name: str, folder: Path) -> Arm:
+def _plan_path(name: str, folder: Path) -> Path:
     plan_file = folder / f"{name}.plan.yaml"
     if not plan_file.exists():
         raise DflopError(f"{folder}: nothing to resume ({plan_file.name} is missing; give the --out folder of "
                          "an earlier `dflop run --backend torch`)")
-    steps, solver = [], ""
-    for path in sorted((folder / "schedules" / name).glob("step-*.json")):
-        data = json.loads(path.read_text())
-        solver = data["solver"]
-        steps.append(ScheduledBatch(SampleTable.from_columns(data["batch"], str(path)),
-                                    np.array(data["assignment"], dtype=np.int64)))
-    return Arm(name, load_spec(Plan, plan_file), steps, solver)
+    return plan_file
+
+
+def _load_arm(name: str, folder: Path, s: job.Setup) -> Arm:
+    """An arm as an earlier run saved it, checked against this run's config before anything starts."""
+    plan_file = _plan_path(name, folder)
+    plan = load_plan(plan_file).plan
+    check_plan(plan, f"{plan_file}:", s.config, s.system.cluster)
+    files = sorted((folder / "schedules" / name).glob("step-*.json"))
+    if not files:
+        raise DflopError(f"{folder / 'schedules' / name}: no saved schedules (step-*.json) to resume with")
+    read = [_read_step(path, plan.bins) for path in files]
+    return Arm(name, plan, [step for _, step in read], read[-1][0])
+
+
+def _read_step(path: Path, bins: int) -> tuple[str, ScheduledBatch]:
+    """(solver, scheduled batch) of one step file that :func:`_save_arm` wrote."""
+    data = load_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("solver"), str) or "batch" not in data:
+        raise DflopError(f"{path}: not a saved schedule (expected 'solver', 'batch' and 'assignment')")
+    batch = SampleTable.from_columns(data["batch"], str(path))
+    assignment = data.get("assignment")
+    if not isinstance(assignment, list) or len(assignment) != len(batch) \
+            or not all(type(a) is int and 0 <= a < bins for a in assignment):
+        raise DflopError(f"{path}: 'assignment': expected a bin from 0 to {bins - 1} for each of the "
+                         f"{len(batch)} samples")
+    return data["solver"], ScheduledBatch(batch, np.array(assignment, dtype=np.int64))
 
 
 def plan_arms(s: job.Setup, steps: int, out: Path, progress: Any, log: job.Log) -> list[Arm]:
@@ -89,8 +111,11 @@ def plan_arms(s: job.Setup, steps: int, out: Path, progress: Any, log: job.Log) 
     for arm in arms:
         arm.steps, _ = job.schedule_steps(s, StepRunner(arm.plan, s.system), steps=steps,
                                           solver=s.config.scheduler.solver, batching=arm.batching)
-        _save_arm(arm, out)
+        _save_arm(arm, out, s.system)
     log("dflop: " + "; ".join(f"{a.name} [{a.plan.describe()}] ({a.solver})" for a in arms))
+    note = job.gpu_note(arms[0].plan, s.system.cluster.gpus)
+    if note:
+        log(f"dflop: {note}")
     return arms
 
 
@@ -112,19 +137,21 @@ def _init_torchrun(config: RunConfig) -> int:
 
 
 def run(config_path: Path | None, *, steps: int | None, out: Path, resume: Path | None, progress: Any = None,
+        plan_file: PlanFile | None = None, gpus: int | None = None, nodes: int | None = None,
         log: job.Log = job._stderr) -> dict[str, Any] | None:
-    """Train and compare; the JSON of `dflop run --backend torch` (None on ranks other than 0)."""
-    config = load_run_config(config_path, backend="torch")
+    """Train and compare; the JSON of `dflop run --backend torch` (None on ranks other than 0). A plan
+    file (or, resuming, the run's own) brings its plan and the cluster it was made for."""
+    config = load_config(config_path, backend="torch")
     rank = _init_torchrun(config) if under_torchrun() else 0
     bundle: list[Any] = [None]
     if rank == 0:
         folder = resume or out
         ensure_writable_folder(folder, "output")
-        s = job.setup(config_path, backend="torch", log=log)
         if resume is not None:
-            arms = [_load_arm(n, resume) for n in ("dflop", "baseline") if (resume / f"{n}.plan.yaml").exists()]
-            if not arms:
-                _load_arm("dflop", resume)  # raises: names what is missing
+            plan_file = load_plan(_plan_path("dflop", resume))
+        s = job.setup(config_path, gpus=gpus, nodes=nodes, plan_file=plan_file, backend="torch", log=log)
+        if resume is not None:
+            arms = [_load_arm(n, resume, s) for n in ("dflop", "baseline") if (resume / f"{n}.plan.yaml").exists()]
         else:
             arms = plan_arms(s, steps or s.config.steps, folder, progress, log)
         bundle = [(s.system, s.config, arms, folder, s.data_source)]

@@ -29,3 +29,31 @@ def assert_one_line_error(proc, *fragments):
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
     assert proc.stdout == ""
+
+
+class Ran:
+    """What one in-process run of the command left: exit status, stdout, stderr, seconds."""
+
+    def __init__(self, returncode, stdout, stderr, seconds):
+        self.returncode, self.stdout, self.stderr, self.seconds = returncode, stdout, stderr, seconds
+
+
+def dflop_here(*args):
+    """Run `dflop` in this process (much faster than a subprocess), capturing what it prints."""
+    import contextlib
+    import io
+    import time
+
+    from dflop.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return Ran(code, out.getvalue(), err.getvalue(), time.perf_counter() - start)
+
+
+def assert_only_error(ran, *fragments):
+    """A one-line error and nothing before it on stderr: the command stopped before any work."""
+    assert_one_line_error(ran, *fragments)
+    assert len(ran.stderr.strip().splitlines()) == 1, ran.stderr

@@ -90,5 +90,5 @@ def test_unwritable_output_and_unknown_backend(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert_one_line_error(dflop("optimize", "--config", small_config(tmp_path), "--out", blocker / "plan.yaml"),
-                          "cannot create the output folder")
+                          "plan.yaml: cannot be written", "file is not a folder")
     assert_one_line_error(dflop("run", "--backend", "nope"), "'--backend'", "'nope' is not one of 'sim', 'torch'")

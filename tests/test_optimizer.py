@@ -127,6 +127,13 @@ def test_speedup_is_against_the_strongest_baseline_and_decomposes():
     assert 0 < json["plan"]["mfu"] <= json["plan"]["hfu"] < 1
 
 
+def test_text_only_data_plans_without_tiles():
+    problem = problem_for("siglip-so400m", "qwen2.5-7b", 8, 64, mix="text-only")
+    assert problem.data.tiles.sum() == 0
+    result = optimize(problem, 64, first=2, most=2, budget=4)
+    assert result.best.mean < float("inf") and result.speedup >= 1.0
+
+
 @settings(max_examples=80)
 @given(layers=st.integers(1, 12), per_layer=st.floats(0.1, 5), extras=st.lists(st.floats(0, 20), min_size=1,
                                                                                max_size=6))

@@ -3,14 +3,15 @@ and the time estimate said before profiling on a CPU."""
 
 import io
 import re
+import subprocess
+import sys
+import threading
 
 import pytest
 
-from cli_helpers import dflop
 from dflop.cli.progress import progress_bar
 from dflop.cost.flops import llm_layer_flops
 from dflop.profile.estimate import WARN_S, duration, profile_estimate
-from dflop.profile.profiler import GRIDS
 from dflop.specs import presets
 
 
@@ -93,18 +94,25 @@ def test_profile_estimate():
     assert tiny.shapes == 10 and tiny.seconds == pytest.approx(10 * 10 * 0.060)
     big = profile_estimate("qwen2.5-7b", cpu)
     llm = presets.llm("qwen2.5-7b")
-    tokens, seq = GRIDS["cpu"].tokens[-1], GRIDS["cpu"].seq[-1]  # the largest block: sequences of the longest length
-    assert big.largest_flops == pytest.approx(float(llm_layer_flops(llm, tokens, tokens // seq * seq**2).total))
+    # the largest block: the CPU grid's 16384 tokens as four sequences of 4096
+    assert big.largest_flops == pytest.approx(float(llm_layer_flops(llm, 16384, 4 * 4096**2).total))
     assert big.seconds > WARN_S > tiny.seconds
     assert profile_estimate("qwen2.5-7b", cpu, tps=(2,)).seconds < big.seconds
     assert [duration(s) for s in (40, 420, 22076)] == ["40 s", "7 min", "6 h 8 min"]
 
 
 def test_profiling_a_large_model_on_cpu_warns_before_starting(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    proc = dflop("profile", "model", "--model", "qwen2.5-7b", "--out", blocker / "store", timeout=120)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and lines[-1].startswith("dflop: error: ")
-    assert lines[0].startswith("dflop: warning: profiling qwen2.5-7b on cpu may take about ")
-    assert "--grid quick" in lines[0] and len(lines) == 2
+    # The first line comes before the first shape is measured; the run is stopped there.
+    proc = subprocess.Popen([sys.executable, "-m", "dflop.cli.main", "profile", "model", "--model", "qwen2.5-7b",
+                             "--out", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    try:
+        first = proc.stderr.readline()
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    assert first.startswith("dflop: warning: profiling qwen2.5-7b on cpu may take about ") and "--grid quick" in first
+    assert not (tmp_path / "profile.jsonl").exists()  # said before anything was measured

@@ -77,10 +77,10 @@ def test_json_is_the_only_thing_on_stdout_with_the_ilp(tmp_path):
 
 
 @pytest.mark.parametrize("yaml_text,message", [
-    ("time_limit: .inf", "time_limit: must be a finite number of seconds above 0, got inf"),
-    ("time_limit: .nan", "time_limit: must be a finite number of seconds above 0, got nan"),
-    ("time_limit: 0", "time_limit: must be a finite number of seconds above 0, got 0.0"),
-    ("solver: fast", "solver: unknown solver 'fast' (valid: auto, ilp, greedy, lpt, kk, sequential, random)"),
+    ("time_limit: .inf", "scheduler.time_limit: must be a finite number, got inf"),
+    ("time_limit: .nan", "scheduler.time_limit: must be a finite number, got nan"),
+    ("time_limit: 0", "scheduler: time_limit: must be a finite number of seconds above 0, got 0.0"),
+    ("solver: fast", "scheduler: solver: unknown solver 'fast' (valid: auto, ilp, greedy, lpt, kk, sequential, random)"),
 ])
 def test_scheduler_settings_are_checked_when_the_config_is_read(tmp_path, yaml_text, message):
     config = tmp_path / "run.yaml"
@@ -88,7 +88,7 @@ def test_scheduler_settings_are_checked_when_the_config_is_read(tmp_path, yaml_t
                       f"training: {{global_batch: 64}}\nscheduler: {{{yaml_text}}}\n")
     with pytest.raises(SpecError) as error:
         load_run_config(config)
-    assert str(error.value) == f"{config}: scheduler: {message}"
+    assert str(error.value) == f"{config}: {message}"
 
 
 def test_config_solver_names_are_case_insensitive():

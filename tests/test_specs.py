@@ -181,11 +181,11 @@ def test_validation_names_the_field():
     with pytest.raises(SpecError, match=r"heads: 5 does not divide hidden size 64"):
         LLMSpec(name="x", layers=1, hidden=64, heads=5, kv_heads=5, ffn=8, vocab=8)
     with pytest.raises(SpecError, match="efficiency: fractions must not decrease"):
-        HardwareSpec(name="x", peak_flops=1, memory_gib=1, hbm_bandwidth=1, intra_node_bandwidth=1,
-                     inter_node_bandwidth=1, efficiency=((1e9, 0.5), (1e10, 0.4)))
+        HardwareSpec(name="x", peak_flops=1e12, memory_gib=1, hbm_bandwidth=1e9, intra_node_bandwidth=1e9,
+                     inter_node_bandwidth=1e9, efficiency=((1e9, 0.5), (1e10, 0.4)))
     with pytest.raises(SpecError, match="rises too steeply"):
-        HardwareSpec(name="x", peak_flops=1, memory_gib=1, hbm_bandwidth=1, intra_node_bandwidth=1,
-                     inter_node_bandwidth=1, efficiency=((1e9, 0.01), (1e10, 0.9)))
+        HardwareSpec(name="x", peak_flops=1e12, memory_gib=1, hbm_bandwidth=1e9, intra_node_bandwidth=1e9,
+                     inter_node_bandwidth=1e9, efficiency=((1e9, 0.01), (1e10, 0.9)))
     with pytest.raises(SpecError, match="global_batch: must be at least 1"):
         TrainingSpec(global_batch=0)
 

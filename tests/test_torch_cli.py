@@ -53,3 +53,16 @@ def test_the_same_config_runs_under_torchrun_and_only_rank_0_reports(tiny_config
     assert len(lines) == 1
     r = json.loads(lines[0])
     assert r["gpus"] == 2 and len(r["losses"]) == 2 and r["step_time_s"]["mean"] > 0
+
+
+def test_torch_run_takes_a_plan_file_and_records_its_cluster(tmp_path):
+    from dflop.specs.plan_file import PlannedCluster, load_plan
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({**{k: v for k, v in TINY.items() if k != "plan"}, "steps": 1}))
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({**TINY["plan"], "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": 2}}))
+    out = tmp_path / "run"
+    r = dflop_json("run", "--backend", "torch", "--config", config, "--plan", plan, "--out", out)
+    assert r["plan"]["describe"] == r["baseline"]["plan"]["describe"] == load_plan(plan).plan.describe()
+    assert load_plan(out / "dflop.plan.yaml").cluster == PlannedCluster(hardware="cpu", nodes=1, gpus_per_node=2)

@@ -1,8 +1,11 @@
 import json
+import re
 
 import pytest
 from PIL import Image
 
+from cli_helpers import assert_only_error, dflop_here
+from dflop.errors import DflopError
 from dflop.sim import simulate_pipeline
 from dflop.trace.chrome import TraceBuilder, load_trace, save_trace
 from dflop.trace.metrics import metrics
@@ -65,3 +68,63 @@ def test_timelines_small_large_and_side_by_side(tmp_path):
         assert Image.open(png).size[0] > 500
     both = plot_timeline(small.trace, tmp_path / "both.png", compare=large.trace, labels=("a", "b"))
     assert Image.open(both).size[1] > Image.open(tmp_path / "small.png").size[1]
+
+
+def test_an_empty_trace_has_no_steps_and_no_utilisation(tmp_path):
+    for doc in ({"traceEvents": []}, TraceBuilder().document(),
+                {"traceEvents": [{"ph": "C", "pid": 0, "ts": 5, "args": {"GiB": 1.0}}]}):
+        m = metrics(doc)
+        assert m.steps == 0 and m.step_time_s == [] and m.step_time_mean is None and m.step_time_p50 is None
+        assert m.utilisation is None and m.idle_fraction is None and m.bubble_fraction is None and m.mfu is None
+        assert m.as_dict()["utilisation"] is None
+    path = save_trace({"traceEvents": []}, tmp_path / "empty.json")
+    out = dflop_here("plot", "timeline", path, "--out", tmp_path / "empty.png", "--json")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    reported = json.loads(out.stdout)["metrics"]
+    assert reported["steps"] == 0 and reported["utilisation"] is None and reported["step_time_s"]["mean"] is None
+    human = dflop_here("plot", "timeline", path, "--out", tmp_path / "empty.png")
+    assert "(no steps in the trace |" in human.stdout
+
+
+BAD_EVENTS = [
+    ({"ph": "X", "ts": 0, "dur": 1, "tid": 0}, "traceEvents[1]: a 'X' event needs 'pid'"),
+    ({"ph": "X", "pid": 0, "ts": "soon", "dur": 1}, "traceEvents[1]: 'ts': expected a number, got 'soon'"),
+    ({"ph": "X", "pid": 0, "ts": None, "dur": 1}, "traceEvents[1]: 'ts': expected a number, got None"),
+    ({"ph": "X", "pid": 0, "ts": 0}, "traceEvents[1]: a 'X' event needs 'dur'"),
+    ({"ph": "X", "pid": 0, "ts": 0, "dur": -1}, "traceEvents[1]: 'dur': must be at least 0, got -1"),
+    ({"ph": "X", "pid": 0, "ts": 1e308, "dur": 1e308}, "traceEvents[1]: 'ts': must be at most 1e+30"),
+    ({"ph": "X", "pid": -1, "ts": 0, "dur": 1}, "traceEvents[1]: 'pid' must be an integer >= 0, got -1"),
+    ({"ph": "X", "pid": "a", "ts": 0, "dur": 1}, "traceEvents[1]: 'pid' must be an integer >= 0, got 'a'"),
+    ({"ph": "C", "ts": 0, "args": {"GiB": 1}}, "traceEvents[1]: a 'C' event needs 'pid'"),
+    ({"ph": "C", "pid": 0, "ts": 0, "args": {"GiB": "lots"}}, "traceEvents[1]: args.GiB: expected a number"),
+    ({"ph": "X", "pid": 0, "ts": 0, "dur": 1, "args": [1]}, "traceEvents[1]: 'args' must be a mapping"),
+    ("event", "traceEvents[1]: expected an event object, got str"),
+]
+
+
+@pytest.mark.parametrize("event,message", BAD_EVENTS)
+def test_bad_events_are_named_by_index(tmp_path, event, message):
+    path = tmp_path / "t.json"
+    good = {"ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 1}
+    path.write_text(json.dumps({"traceEvents": [good, event]}))
+    with pytest.raises(DflopError, match=f"^{re.escape(f'{path}: {message}')}"):
+        load_trace(path)
+    assert_only_error(dflop_here("plot", "timeline", path, "--out", tmp_path / "t.png"), message)
+
+
+@pytest.mark.parametrize("other,message", [
+    ([], "otherData: expected a mapping"),
+    ({"workers": [{"name": "a"}]}, "otherData.workers[0]: expected a mapping with 'name', 'module', 'rank', 'gpus'"),
+    ({"workers": [{"name": "a", "module": "llm", "rank": 0, "gpus": []}]}, "otherData.workers[0]: 'gpus' must be"),
+    ({"steps": [{"start_us": 0}]}, "otherData.steps[0]: expected a mapping with 'start_us', 'end_us'"),
+    ({"steps": [{"start_us": 0, "end_us": "x"}]}, "otherData.steps[0]: 'end_us': expected a number"),
+    ({"peak_flops": "fast"}, "otherData: 'peak_flops': expected a number"),
+    ({"workers": [{"name": "a", "module": "llm", "rank": 0, "gpus": [0]}]},
+     "traceEvents[0]: pid 3 is not one of the 1 workers in otherData"),
+])
+def test_bad_other_data_is_named(tmp_path, other, message):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": [{"ph": "X", "pid": 3, "tid": 0, "ts": 0, "dur": 1}],
+                                "otherData": other}))
+    with pytest.raises(DflopError, match=f"^{re.escape(f'{path}: {message}')}"):
+        load_trace(path)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dflop.errors import DflopError
+from dflop.specs.loading import load_json
 
 META = "meta.json"
 
@@ -76,7 +77,7 @@ def latest(folder: Path) -> Path | None:
 def load(path: Path, named: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    meta = json.loads((path / META).read_text())
+    meta = load_json(path / META)
     _materialise(optimizer)
     state = state_dict(named, optimizer)
     try:

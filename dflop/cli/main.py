@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,10 @@ from typing import Any
 import click
 
 from dflop.cli.output import emit, fmt_stats, log
-from dflop.errors import DflopError, ensure_writable_folder
+from dflop.errors import DflopError, check_output, ensure_writable_folder
+from dflop.specs.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SAMPLES, MAX_STEPS
+from dflop.specs.scheduling import Solver
+from dflop.viz.style import IMAGE_SUFFIXES
 
 JSON_HELP = "Print exactly one JSON object on stdout (logs go to stderr)."
 
@@ -18,8 +22,51 @@ def json_option(f: Any) -> Any:
     return click.option("--json", "as_json", is_flag=True, help=JSON_HELP)(f)
 
 
+class Output(click.Path):
+    """A path a command writes, checked when the command line is read, before any work."""
+
+    def __init__(self, *, folder: bool = False, suffixes: tuple[str, ...] = ()) -> None:
+        super().__init__(path_type=Path)
+        self.folder, self.suffixes = folder, suffixes
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        try:
+            return check_output(super().convert(value, param, ctx), folder=self.folder, suffixes=self.suffixes)
+        except DflopError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def pipeline_schedule(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--schedule: a known pipeline schedule's canonical name."""
+    if value is None:
+        return None
+    from dflop.program.schedules import canonical
+
+    try:
+        return canonical(value)
+    except DflopError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+def cluster_options(f: Any) -> Any:
+    """--gpus and --nodes: the cluster's size instead of the plan file's or the config's."""
+    f = click.option("--nodes", type=click.IntRange(1, MAX_GPUS),
+                     help="Nodes of the cluster (with --gpus: the GPUs per node follow).")(f)
+    return click.option("--gpus", type=click.IntRange(1, MAX_GPUS),
+                        help="GPUs of the cluster (in whole nodes of the plan file's or the config's size, "
+                             "unless --nodes is given).")(f)
+
+
+def plan_file(path: Path | None) -> Any:
+    """The plan file named by --plan, read before any work."""
+    from dflop.specs.plan_file import load_plan
+
+    return load_plan(path) if path is not None else None
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors (anywhere on the line).")
+@click.version_option(package_name="dflop", prog_name="dflop", message="%(prog)s %(version)s")
 def cli(debug: bool) -> None:
     """dflop: data-aware planning, scheduling and simulation of multimodal LLM training."""
 
@@ -39,7 +86,7 @@ def profile() -> None:
                                                     "meta-json"]), default="auto", show_default=True,
               help="What --dataset is (detected when auto).")
 @click.option("--preset", help="Synthetic mix: llava-ov, image-heavy, video-heavy, text-only.")
-@click.option("--samples", type=click.IntRange(min=1), help="Samples to draw (preset, default 5000) "
+@click.option("--samples", type=click.IntRange(1, MAX_SAMPLES), help="Samples to draw (preset, default 5000) "
               "or to read at most (dataset).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the preset's draws, of random:N sampling and of InternVL's frame counts.")
@@ -54,8 +101,8 @@ def profile() -> None:
 @click.option("--tokenizer", type=click.Path(path_type=Path),
               help="Count text tokens with this tokenizer.json (or checkpoint folder); default: estimate.")
 @click.option("--skip-bad", is_flag=True, help="Skip and count malformed entries instead of failing.")
-@click.option("--plot", type=click.Path(path_type=Path), help="Also draw the shape distributions here.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Data profile (JSON) to write.")
+@click.option("--plot", type=Output(suffixes=IMAGE_SUFFIXES), help="Also draw the shape distributions here.")
+@click.option("--out", type=Output(), required=True, help="Data profile (JSON) to write.")
 @json_option
 def profile_data(dataset: Path | None, fmt: str, preset: str | None, samples: int | None, seed: int,
                  encoder: str, video_newline: str | None, image_root: Path | None, video_root: Path | None,
@@ -71,7 +118,6 @@ def profile_data(dataset: Path | None, fmt: str, preset: str | None, samples: in
     enc = EncoderSpec.coerce(encoder, "--encoder")
     if video_newline is not None:
         enc = replace(enc, tiling=replace(enc.tiling, video_newline=video_newline))
-    _writable(out)
     if preset is not None:
         prof = profile_mix(preset, samples or 5000, enc, seed)
     else:
@@ -132,7 +178,7 @@ def _data_profile_text(r: dict[str, Any]) -> str:
               help="Shapes to measure (default: cpu or gpu by device).")
 @click.option("--repeats", type=click.IntRange(min=1), default=None, help="Timed repeats per shape (median kept).")
 @click.option("--llm", "pair_llm", default=None, help="For an encoder: the LLM its projector maps into.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Profile store folder.")
+@click.option("--out", type=Output(folder=True), required=True, help="Profile store folder.")
 @json_option
 def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[int, ...], grid: str | None,
                   repeats: int | None, pair_llm: str | None, out: Path, as_json: bool) -> None:
@@ -140,8 +186,10 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
     from dflop.cli.progress import progress_bar
     from dflop.cost.profiled import holdout_error
     from dflop.cost.store import ProfileStore
+    from dflop.profile.profiler import check_request
     from dflop.profile.profiler import profile_model as run_profile
 
+    check_request(model_name, out, device=device, dtype=dtype, grid=grid, llm=pair_llm)  # before the estimate
     if device == "cpu":
         _warn_cpu_profile(model_name, grid, tps or (1,), repeats, pair_llm)
     with progress_bar(f"profiling {model_name}", "shapes") as progress:
@@ -209,22 +257,22 @@ def baseline_lines(r: dict[str, Any]) -> list[str]:
 
 @cli.command()
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
-@click.option("--gpus", type=click.IntRange(min=1), help="Plan for this many GPUs instead of the config's.")
+@cluster_options
 @click.option("--prediction-error", "error", type=click.FloatRange(min=0.0), help=ERROR_HELP)
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Plan (YAML) to write.")
+@click.option("--out", type=Output(), required=True, help="Plan (YAML) to write, with the cluster it is made for.")
 @json_option
-def optimize(config: Path | None, gpus: int | None, error: float | None, out: Path, as_json: bool) -> None:
+def optimize(config: Path | None, gpus: int | None, nodes: int | None, error: float | None, out: Path,
+             as_json: bool) -> None:
     """Choose tensor/pipeline/data parallelism for the encoder and the LLM."""
     from dflop import job
     from dflop.cli.progress import progress_bar
     from dflop.cost.select import prediction_error
-    from dflop.specs.loading import save_spec
+    from dflop.specs.plan_file import save_plan
 
-    s = job.setup(config, gpus=gpus)
-    _writable(out)
+    s = job.setup(config, gpus=gpus, nodes=nodes)
     with progress_bar() as progress:
         result = job.optimize(s, progress=progress, noise=error)
-    save_spec(result.best.plan, out)
+    save_plan(result.best.plan, out, s.system.cluster)
     source = prediction_error(s.system.cost)[1] if error is None else "given with --prediction-error"
     data = {**job.optimize_json(result, s.system.hardware.usable_memory_bytes, source), "out": str(out)}
 
@@ -256,7 +304,7 @@ def optimize(config: Path | None, gpus: int | None, error: float | None, out: Pa
                    'or booleans) come back as given and must be unique.')
 @click.option("--bins", type=click.IntRange(min=1), required=True, help="Number of bins.")
 @click.option("--solver", default="auto", show_default=True,
-              help="auto, ilp, greedy, lpt, kk, sequential or random (any case).")
+              help=f"{', '.join(Solver)} (any case); sequential is arrival order, the data-blind baseline.")
 @click.option("--time-limit", type=float, default=1.0, show_default=True,
               help="Seconds the solver may take (finite, above 0).")
 @json_option
@@ -297,19 +345,23 @@ def schedule(items: Path, bins: int, solver: str, time_limit: float, as_json: bo
 
 @cli.command()
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
-@click.option("--plan", "plan_path", type=click.Path(path_type=Path), help="Plan YAML to simulate.")
-@click.option("--schedule", "schedule_name", help="Pipeline schedule (overrides the plan's).")
-@click.option("--steps", type=click.IntRange(min=1), help="Steps to simulate.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("out/simulate"), show_default=True)
+@click.option("--plan", "plan_path", type=click.Path(path_type=Path),
+              help="Plan YAML to simulate, on the cluster it was made for (default: the config's plan, else "
+                   "the optimizer's choice).")
+@cluster_options
+@click.option("--schedule", "schedule_name", callback=pipeline_schedule,
+              help="Pipeline schedule (overrides the plan's).")
+@click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Steps to simulate.")
+@click.option("--out", type=Output(folder=True), default=Path("out/simulate"), show_default=True)
 @json_option
-def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | None, steps: int | None,
-             out: Path, as_json: bool) -> None:
+def simulate(config: Path | None, plan_path: Path | None, gpus: int | None, nodes: int | None,
+             schedule_name: str | None, steps: int | None, out: Path, as_json: bool) -> None:
     """Simulate a plan on the workload; write the trace and the timeline."""
     from dflop import job
     from dflop.viz.timeline import plot_timeline
 
-    s = job.setup(config)
-    plan = job.pick_plan(s, plan_path, schedule_name)
+    s = job.setup(config, gpus=gpus, nodes=nodes, plan_file=plan_file(plan_path))
+    plan = job.pick_plan(s, schedule_name)
     ensure_writable_folder(out, "output")
     sim, info = job.simulate(s, plan, steps=steps or s.config.steps, solver=s.config.scheduler.solver, out=out,
                              name="simulate")
@@ -317,13 +369,15 @@ def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | N
     from dflop.plan.report import implausible
 
     data = {"plan": job.plan_summary(plan), **job.step_fields(sim, s.system.training.global_batch),
-            "steps": sim.metrics.steps, "cost_model": s.system.cost.name, "scheduler": info["scheduler"],
-            "oom": sim.metrics.oom[:5], "warnings": implausible("plan", sim.metrics.mfu, s.system.hardware),
+            "steps": sim.metrics.steps, "gpus": s.system.cluster.gpus, "plan_gpus": plan.gpus,
+            "note": job.gpu_note(plan, s.system.cluster.gpus), "cost_model": s.system.cost.name,
+            "scheduler": info["scheduler"], "oom": sim.metrics.oom[:5],
+            "warnings": implausible("plan", sim.metrics.mfu, s.system.hardware),
             "artifacts": {"trace": info["trace"], "timeline": str(timeline)}}
 
     def human(r: dict[str, Any]) -> str:
         return "\n".join([
-            f"plan: {r['plan']['describe']}",
+            f"plan: {r['plan']['describe']}" + (f" ({r['note']})" if r["note"] else ""),
             f"  {r['steps']} steps, step {r['step_time_s']['mean']:.3f} s (p50 {r['step_time_s']['p50']:.3f}), "
             f"{r['throughput_samples_per_s']:.1f} samples/s",
             f"  MFU {_pct(r['mfu'])}, HFU {_pct(r['hfu'])}; bubbles {r['bubble_fraction']:.1%}, "
@@ -338,24 +392,32 @@ def simulate(config: Path | None, plan_path: Path | None, schedule_name: str | N
 @cli.command()
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one of the backend).")
 @click.option("--backend", type=click.Choice(["sim", "torch"], case_sensitive=False), default="sim", show_default=True,
-              help="sim: the SimPy simulator on the cost model; torch: real processes (torch.distributed).")
-@click.option("--steps", type=click.IntRange(min=1), help="Steps to run.")
+              help="sim: the SimPy simulator on the cost model; torch: trains the models for real on local "
+                   "processes it spawns (or under torchrun), each step timed next to the simulator's prediction.")
+@click.option("--plan", "plan_path", type=click.Path(path_type=Path),
+              help="Run this plan (on the cluster it was made for) against itself on arrival-order batches, "
+                   "instead of searching one.")
+@cluster_options
+@click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Steps to run.")
 @click.option("--prediction-error", "error", type=click.FloatRange(min=0.0), help=ERROR_HELP)
-@click.option("--out", type=click.Path(path_type=Path), default=Path("out/run"), show_default=True)
-@click.option("--resume", type=click.Path(path_type=Path), help="Continue the checkpointed torch run in this folder "
+@click.option("--out", type=Output(folder=True), default=Path("out/run"), show_default=True)
+@click.option("--resume", type=click.Path(exists=True, file_okay=False, writable=True, path_type=Path),
+              help="Continue the checkpointed torch run in this folder "
               "(its plans and schedules; needs execution.checkpoint_every in the config).")
 @json_option
-def run(config: Path | None, backend: str, steps: int | None, error: float | None, out: Path, resume: Path | None,
-        as_json: bool) -> None:
-    """Plan, schedule every step and execute it (simulated, or for real with --backend torch); compare with the
-    strongest baseline."""
+def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | None, nodes: int | None,
+        steps: int | None, error: float | None, out: Path, resume: Path | None, as_json: bool) -> None:
+    """Plan, schedule every step and execute it: simulated (sim), or trained for real (torch); compare with the
+    strongest baseline (with --plan: the same plan on arrival-order batches)."""
     from dflop.cli.progress import progress_bar
 
+    planned = plan_file(plan_path)
     if backend.lower() == "torch":
         from dflop import torch_run
 
         with progress_bar() as progress:
-            data = torch_run.run(config, steps=steps, out=out, resume=resume, progress=progress)
+            data = torch_run.run(config, steps=steps, out=out, resume=resume, progress=progress,
+                                 plan_file=planned, gpus=gpus, nodes=nodes)
         if data is not None:  # under torchrun only rank 0 reports
             emit(data, as_json, _torch_human)
         return
@@ -363,7 +425,7 @@ def run(config: Path | None, backend: str, steps: int | None, error: float | Non
         raise click.UsageError("--resume continues a torch run; add --backend torch")
     from dflop import job
 
-    s = job.setup(config)
+    s = job.setup(config, gpus=gpus, nodes=nodes, plan_file=planned)
     ensure_writable_folder(out, "output")
     with progress_bar() as progress:
         data = job.run(s, steps=steps or s.config.steps, out=out, progress=progress, noise=error)
@@ -430,7 +492,8 @@ def _step_choice(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 @plot.command("timeline")
 @click.argument("trace", type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="PNG to write.")
+@click.option("--out", type=Output(suffixes=IMAGE_SUFFIXES), required=True,
+              help=f"Picture to write ({', '.join(IMAGE_SUFFIXES)}).")
 @click.option("--compare", type=click.Path(path_type=Path), help="A second trace, drawn below on the same axis.")
 @click.option("--step", callback=_step_choice, metavar="K|all",
               help="Draw step K (1 = the first) or all steps (default: the first step).")
@@ -449,7 +512,7 @@ def plot_timeline(trace: Path, out: Path, compare: Path | None, step: int | str 
     other = load_trace(compare) if compare is not None else None
     labels = (trace.stem, compare.stem) if compare is not None else ("", "")
     drawn = layout(doc, compare=other, labels=labels, step=step, window=window)
-    path = draw(drawn, _writable(out))
+    path = draw(drawn, out)
     data = {"out": str(path), "metrics": metrics(doc).as_dict(), "step": step or 1, "window": list(drawn.window),
             "panels": [{"title": p.title, "rows": len(p.rows), "bars": p.counts()} for p in drawn.panels]}
     emit(data, as_json, lambda r: f"timeline -> {r['out']} ({r['panels'][0]['title'].splitlines()[-1]})")
@@ -461,37 +524,53 @@ def plot_timeline(trace: Path, out: Path, compare: Path | None, step: int | str 
               help="megatron: Megatron-LM launch flags; torchtitan: a job config TOML fragment.")
 @click.option("--config", type=click.Path(path_type=Path),
               help="Run config giving the model and the training settings (default: the embedded one).")
-@click.option("--global-batch", type=click.IntRange(min=1), help="Samples per step (default: the config's).")
+@click.option("--global-batch", type=click.IntRange(1, MAX_GLOBAL_BATCH),
+              help="Samples per step (default: the config's).")
 @json_option
 def export(plan_path: Path, target: str, config: Path | None, global_batch: int | None, as_json: bool) -> None:
     """Write a plan as another framework's launch arguments; say what that framework cannot express."""
+    from dflop.config_check import check_plan, load_config
     from dflop.export import export_plan
-    from dflop.specs.loading import load_spec
-    from dflop.specs.plan import Plan
-    from dflop.specs.run import load_run_config
+    from dflop.specs.hardware import ClusterSpec
 
-    plan = load_spec(Plan, plan_path)
-    run_config = load_run_config(config)
-    result = export_plan(plan, run_config.model, target, training=run_config.training, cluster=run_config.cluster,
+    planned = plan_file(plan_path)
+    plan = planned.plan
+    run_config = load_config(config)
+    if planned.cluster is not None:
+        cluster = planned.cluster.cluster(run_config.cluster.hardware, planned.where)
+    else:  # the plan's own GPU count, in nodes of the config's hardware
+        per_node = run_config.cluster.gpus_per_node
+        cluster = ClusterSpec(hardware=run_config.cluster.hardware, nodes=-(-plan.gpus // per_node),
+                              gpus_per_node=per_node)
+    check_plan(plan, f"{plan_path}:", run_config, cluster, global_batch)
+    result = export_plan(plan, run_config.model, target, training=run_config.training, cluster=cluster,
                          global_batch=global_batch or run_config.training.global_batch)
     emit(result.as_dict(), as_json, lambda r: r["text"])
 
 
-def _writable(path: Path) -> Path:
-    """Fail early, before any work, when the output cannot be written."""
-    ensure_writable_folder(path.parent, "output")
-    return path
-
-
 # ---- entry point -----------------------------------------------------------------------------
 
+_LINE_BREAK = re.compile("[\n\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
+
+
+def _one_line(message: object) -> str:
+    """The message on one line: line breaks it quotes from the input are shown escaped."""
+    return _LINE_BREAK.sub(lambda m: repr(m.group())[1:-1], str(message))
+
+
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001
-    return f"dflop: warning: {message}\n"
+    return f"dflop: warning: {_one_line(message)}\n"
+
+
+def _without_debug(args: list[str]) -> tuple[list[str], bool]:
+    """The command line without its ``--debug`` flags (accepted anywhere before a ``--``)."""
+    end = args.index("--") if "--" in args else len(args)
+    kept = [a for a in args[:end] if a != "--debug"] + args[end:]
+    return kept, len(kept) < len(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in args
+    args, debug = _without_debug(list(sys.argv[1:] if argv is None else argv))
     if not debug:
         import warnings
 
@@ -506,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as exc:
         if debug:
             raise
-        log(f"dflop: error: {exc.format_message()}")
+        log(f"dflop: error: {_one_line(exc.format_message())}")
         return 2
     except DflopError as exc:
         if debug:
@@ -514,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             if details:
                 log(details)
             raise
-        log(f"dflop: error: {exc}")
+        log(f"dflop: error: {_one_line(exc)}")
         return 2
     except KeyboardInterrupt:
         log("dflop: interrupted")
@@ -522,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug: say so in one line, the traceback under --debug
         if debug:
             raise
-        log(f"dflop: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)")
+        log(f"dflop: internal error: {type(exc).__name__}: {_one_line(exc)} (rerun with --debug for the traceback)")
         return 1
     return 0
 

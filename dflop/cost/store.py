@@ -4,12 +4,14 @@ Records are appended (and flushed to disk) as they are measured, so a run
 that is interrupted loses nothing; reading de-duplicates on the record key
 (device, module, model, dtype, tp, phase, shape), the last record winning,
 so a rerun can skip whatever is already there. A line that is not a valid
-record is skipped with a warning naming the file and line.
+record is skipped with a warning naming the file and line; a record appended
+after a torn last line (an interrupted write) starts a line of its own.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from importlib import resources
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from dflop.errors import ensure_writable_folder
+from dflop.specs.loading import NotJson, parse_json, read_text
 
 FILENAME = "profile.jsonl"
 KEY_FIELDS = ("device", "module", "model", "dtype", "tp", "phase")
@@ -38,13 +41,17 @@ def _problem(record: Any) -> str | None:
     if not isinstance(record.get("tp"), int) or record["tp"] < 1:
         return "field 'tp' must be an integer >= 1"
     shape = record.get("shape")
-    if not isinstance(shape, dict) or not shape or not all(isinstance(v, (int, float)) for v in shape.values()):
-        return "field 'shape' must map names to numbers"
+    if not isinstance(shape, dict) or not shape or not all(_finite(v) for v in shape.values()):
+        return "field 'shape' must map names to finite numbers"
     for name in ("fwd_ms", "bwd_ms", "memory_bytes"):
         value = record.get(name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            return f"field '{name}' must be a number >= 0"
+        if not _finite(value) or value < 0:
+            return f"field '{name}' must be a finite number >= 0"
     return None
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -59,13 +66,18 @@ class ProfileStore:
         problem = _problem(record)
         if problem:
             raise ValueError(f"not a profile record: {problem}")
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps(record).encode() + b"\n"
+        with self.path.open("a+b") as f:
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = b"\n" + line
+            f.write(line)
             f.flush()
             os.fsync(f.fileno())
 
     def read(self, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-        return read_records(self.path.read_text() if self.path.exists() else "", str(self.path), warn)
+        return read_records(read_text(self.path) if self.path.exists() else "", str(self.path), warn)
 
 
 def read_records(text: str, where: str, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
@@ -74,10 +86,10 @@ def read_records(text: str, where: str, warn: Callable[[str], None] | None = Non
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = parse_json(line, where)
             problem = _problem(record)
-        except json.JSONDecodeError as exc:
-            problem = f"not valid JSON ({exc.msg})"
+        except NotJson as exc:
+            problem = f"not valid JSON ({exc.problem})"
         if problem:
             if warn is not None:
                 warn(f"{where}:{line_no}: skipped a corrupt profile record ({problem})")

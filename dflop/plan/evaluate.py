@@ -190,9 +190,10 @@ class Evaluator:
     # ---- caps and memory ----------------------------------------------------------------------
 
     def caps(self, plan: Plan) -> np.ndarray:
-        """(LLM tokens, tiles) a data-aware bin may hold."""
-        return np.array([max(self.max_tokens, CAP_SLACK * self.heaviest_tokens / plan.bins),
-                         max(self.max_tiles, CAP_SLACK * self.heaviest_tiles / plan.bins)])
+        """(LLM tokens, tiles) a data-aware bin may hold; at least 1, so data without any tiles
+        (text only) still has a cap the partitioner accepts."""
+        return np.array([max(self.max_tokens, CAP_SLACK * self.heaviest_tokens / plan.bins, 1.0),
+                         max(self.max_tiles, CAP_SLACK * self.heaviest_tiles / plan.bins, 1.0)])
 
     def worst_bins(self, plan: Plan, batching: Batching) -> tuple[float, float]:
         """(LLM tokens, tiles) of the largest bin the plan may get on the batches it is judged on:

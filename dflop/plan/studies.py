@@ -8,7 +8,10 @@ baseline (space x batching rule) and the speedup's decomposition.
 - ``model_pairs``: as the encoder/LLM compute ratio changes.
 
 The global batch grows with the cluster (``samples_per_gpu``), as it does in
-practice; each point runs the full optimizer (dflop's space and the baselines').
+practice; each point runs the optimizer (dflop's space and the baselines') with
+the fast evaluator. ``search`` options go to :func:`dflop.plan.search.optimize`
+(a smaller ``budget``, ``first``/``most`` batches, other ``spaces``), so a
+notebook can trade thoroughness for time and say so.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.workload.mixes import MixSpec, mix, synthesize, with_shares
 
 
-def _problem(encoder: str, llm: str, gpus: int, spec: MixSpec, samples_per_gpu: int, hardware: str,
-             seed: int) -> tuple[PlanningProblem, int]:
+def study_problem(encoder: str, llm: str, gpus: int, spec: MixSpec | str = "llava-ov", samples_per_gpu: int = 8,
+                  hardware: str = "h100", seed: int = 0) -> tuple[PlanningProblem, int]:
+    """One point of a study as a planning problem and its global batch, to look closer at its plans."""
+    spec = mix(spec) if isinstance(spec, str) else spec
     model = presets.model(encoder, llm)
     per_node = min(8, gpus)
     cluster = ClusterSpec(hardware=presets.hardware(hardware), nodes=gpus // per_node, gpus_per_node=per_node)
@@ -56,23 +61,24 @@ def _record(result: OptimizeResult, **point: Any) -> dict[str, Any]:
 
 def gpu_scaling(gpus: Iterable[int], *, encoder: str = "siglip-so400m", llm: str = "qwen2.5-7b",
                 data: str = "llava-ov", samples_per_gpu: int = 8, hardware: str = "h100",
-                seed: int = 0) -> list[dict[str, Any]]:
+                seed: int = 0, **search: Any) -> list[dict[str, Any]]:
     records = []
     for n in gpus:
-        p, batch = _problem(encoder, llm, n, mix(data), samples_per_gpu, hardware, seed)
-        records.append(_record(optimize(p, batch), gpus=n, global_batch=batch, encoder=encoder, llm=llm))
+        p, batch = study_problem(encoder, llm, n, data, samples_per_gpu, hardware, seed)
+        records.append(_record(optimize(p, batch, **search), gpus=n, global_batch=batch, encoder=encoder, llm=llm))
     return records
 
 
 def mix_shift(shares: Iterable[dict[str, float]], *, gpus: int = 32, encoder: str = "siglip-so400m",
               llm: str = "qwen2.5-7b", base: str = "llava-ov", samples_per_gpu: int = 8,
-              hardware: str = "h100", seed: int = 0) -> list[dict[str, Any]]:
+              hardware: str = "h100", seed: int = 0, **search: Any) -> list[dict[str, Any]]:
     """One point per modality share, e.g. ``[{"video": 0.1, "image": 0.9}, ...]``."""
     records = []
     for share in shares:
         spec = with_shares(mix(base), **share)
-        p, batch = _problem(encoder, llm, gpus, spec, samples_per_gpu, hardware, seed)
-        records.append(_record(optimize(p, batch), gpus=gpus, **{f"share_{k}": v for k, v in spec.shares.items()}))
+        p, batch = study_problem(encoder, llm, gpus, spec, samples_per_gpu, hardware, seed)
+        records.append(_record(optimize(p, batch, **search), gpus=gpus,
+                               **{f"share_{k}": v for k, v in spec.shares.items()}))
     return records
 
 
@@ -87,10 +93,10 @@ def compute_ratio(problem: PlanningProblem) -> float:
 
 
 def model_pairs(pairs: Iterable[tuple[str, str]], *, gpus: int = 64, data: str = "llava-ov",
-                samples_per_gpu: int = 8, hardware: str = "h100", seed: int = 0) -> list[dict[str, Any]]:
+                samples_per_gpu: int = 8, hardware: str = "h100", seed: int = 0, **search: Any) -> list[dict[str, Any]]:
     records = []
     for encoder, llm in pairs:
-        p, batch = _problem(encoder, llm, gpus, mix(data), samples_per_gpu, hardware, seed)
-        records.append(_record(optimize(p, batch), gpus=gpus, encoder=encoder, llm=llm,
+        p, batch = study_problem(encoder, llm, gpus, data, samples_per_gpu, hardware, seed)
+        records.append(_record(optimize(p, batch, **search), gpus=gpus, encoder=encoder, llm=llm,
                                encoder_to_llm_flops=compute_ratio(p)))
     return records

@@ -238,38 +238,63 @@ class ProfileReport:
     store: Path
 
 
+@dataclass(frozen=True)
+class Request:
+    """A `profile model` request with every option checked, before anything is said or measured."""
+
+    kind: str
+    spec: EncoderSpec | LLMSpec
+    pair: MLLMSpec | None
+    dtype: str
+    torch_dtype: torch.dtype
+    grid: Grid
+    store: ProfileStore
+
+
+def check_request(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
+                  grid: str | None = None, llm: str | None = None) -> Request:
+    kind, spec = resolve(name)
+    pair = None
+    if kind == "encoder":
+        pair = MLLMSpec(encoder=spec, llm=presets.llm(llm or default_llm(spec.name), where="--llm"))
+    elif llm is not None:
+        raise DflopError(f"--llm {llm}: applies only when profiling an encoder (it sets the projector's "
+                         f"output width); {spec.name} is an LLM")
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    torch_dtype = check_device(device, dtype)
+    if grid not in (None, *GRIDS):
+        raise DflopError(f"--grid {grid}: unknown (known: {', '.join(GRIDS)})")
+    store = ProfileStore.in_dir(out)
+    store.read()  # a store that cannot be read fails here, not after the first shape
+    return Request(kind, spec, pair, dtype, torch_dtype, GRIDS[grid or ("gpu" if device == "cuda" else "cpu")],
+                   store)
+
+
 def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
                   tps: tuple[int, ...] = (1,), grid: str | None = None, llm: str | None = None,
                   warmup: int = WARMUP, repeats: int | None = None,
                   progress: Progress | None = None) -> ProfileReport:
-    kind, spec = resolve(name)
-    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
-    torch_dtype = check_device(device, dtype)
-    store = ProfileStore.in_dir(out)
-    if grid not in (None, *GRIDS):
-        raise DflopError(f"--grid {grid}: unknown (known: {', '.join(GRIDS)})")
-    chosen = GRIDS[grid or ("gpu" if device == "cuda" else "cpu")]
+    r = check_request(name, out, device=device, dtype=dtype, grid=grid, llm=llm)
     repeats = repeats or REPEATS[device]
-    pair = MLLMSpec(encoder=spec, llm=presets.llm(llm or default_llm(spec.name))) if kind == "encoder" else None
-    done = {record_key(r) for r in store.read()}
-    todo = [(tp, job) for tp in tps for job in jobs(kind, spec, pair, tp, chosen, torch_dtype, device)]
+    done = {record_key(rec) for rec in r.store.read()}
+    todo = [(tp, job) for tp in tps for job in jobs(r.kind, r.spec, r.pair, tp, r.grid, r.torch_dtype, device)]
     where = device_name(device)
-    base = {"device": where, "module": kind, "model": spec.name, "dtype": dtype}
-    report = ProfileReport(0, 0, store.path)
+    base = {"device": where, "module": r.kind, "model": r.spec.name, "dtype": r.dtype}
+    report = ProfileReport(0, 0, r.store.path)
     torch.manual_seed(0)
     for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(todo):
         record = {**base, "tp": tp, "phase": phase, "shape": shape}
         if progress is not None:
-            progress(f"{spec.name} tp{tp} {phase} {shape}", index, len(todo))
+            progress(f"{r.spec.name} tp{tp} {phase} {shape}", index, len(todo))
         if record_key(record) in done:
             report.reused += 1
             continue
         module = make_module()
         figures = measure(module, make_inputs, device, warmup, repeats)
-        store.append({**record, **figures, "holdout": holdout, "repeats": repeats,
+        r.store.append({**record, **figures, "holdout": holdout, "repeats": repeats,
                       "torch": torch.__version__,
                       "threads": torch.get_num_threads(), "measured_at": datetime.now(timezone.utc).isoformat()})
         report.measured += 1
     if progress is not None:
-        progress(f"{spec.name} done", len(todo), len(todo))
+        progress(f"{r.spec.name} done", len(todo), len(todo))
     return report

@@ -6,11 +6,11 @@ config holds it under ``execution:``; the simulator ignores it.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
-from dflop.specs.loading import require
+from dflop.specs.limits import MAX_SECONDS, MAX_STEPS
+from dflop.specs.loading import check_numbers, limit, require
 
 
 class Device(str, Enum):
@@ -38,24 +38,21 @@ class DType(str, Enum):
 class ExecutionSpec:
     device: Device = Device.CPU
     dtype: DType = DType.FLOAT32
-    lr: float = 1e-3
+    lr: float = field(default=1e-3, metadata=limit(high=1.0))
     """AdamW learning rate."""
-    weight_decay: float = 0.0
-    timeout_s: float = 120.0
+    weight_decay: float = field(default=0.0, metadata=limit(0, 1.0))
+    timeout_s: float = field(default=120.0, metadata=limit(high=MAX_SECONDS))
     """Point-to-point and collective timeout: a lost peer fails the run after this at the latest."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = field(default=0, metadata=limit(0, MAX_STEPS))
     """Save a checkpoint (torch.distributed.checkpoint) every this many steps; 0: never."""
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         for name, kind in (("device", Device), ("dtype", DType)):
             value = getattr(self, name)
             if not isinstance(value, kind):
                 names = ", ".join(m.value for m in kind)
                 require(value in [m.value for m in kind], f"{name}: {value!r} is not one of {names}")
                 object.__setattr__(self, name, kind(value))
-        require(math.isfinite(self.lr) and self.lr > 0, f"lr: must be a positive number, got {self.lr}")
-        require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-                f"weight_decay: must not be negative, got {self.weight_decay}")
-        require(math.isfinite(self.timeout_s) and self.timeout_s > 0,
-                f"timeout_s: must be a positive number of seconds, got {self.timeout_s}")
-        require(self.checkpoint_every >= 0, f"checkpoint_every: must not be negative, got {self.checkpoint_every}")
+        require(self.lr > 0, f"lr: must be positive, got {self.lr}")
+        require(self.timeout_s > 0, f"timeout_s: must be a positive number of seconds, got {self.timeout_s}")

@@ -7,15 +7,18 @@ no module uses a hardware constant of its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from dflop.errors import SpecError
-from dflop.specs.loading import at, require
+from dflop.specs.limits import MAX_GLOBAL_BATCH, MAX_GPUS
+from dflop.specs.loading import at, check_numbers, limit, require
 
 GIB = 1024**3
+BYTES = limit(0, 64)
+"""Bounds of a per-parameter or per-element byte count (fp64 Adam state is 24)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,20 +26,21 @@ class HardwareSpec:
     """One accelerator model and the links around it."""
 
     name: str
-    peak_flops: float
-    """Dense bf16 FLOP/s (no sparsity)."""
-    memory_gib: float
+    peak_flops: float = field(metadata=limit(1e9, 1e18))
+    """Dense bf16 FLOP/s (no sparsity). The bounds (a CPU core to far beyond any accelerator)
+    catch a figure given in other units, such as TFLOP/s."""
+    memory_gib: float = field(metadata=limit(0.1, 1e5))
     """Device memory as the runtime reports it, in GiB."""
     reserved_fraction: float = 0.08
     """Share of memory the plan may not use (CUDA context, NCCL buffers, fragmentation)."""
-    hbm_bandwidth: float
+    hbm_bandwidth: float = field(metadata=limit(1e6, 1e15))
     """Device-memory bandwidth, bytes/s."""
-    intra_node_bandwidth: float
+    intra_node_bandwidth: float = field(metadata=limit(1e6, 1e15))
     """Per-GPU, per-direction bandwidth to a GPU in the same node (NVLink), bytes/s."""
-    inter_node_bandwidth: float
+    inter_node_bandwidth: float = field(metadata=limit(1e6, 1e15))
     """Per-GPU bandwidth to a GPU in another node (one NIC per GPU), bytes/s."""
-    intra_node_latency: float = 5.0e-6
-    inter_node_latency: float = 1.0e-5
+    intra_node_latency: float = field(default=5.0e-6, metadata=limit(0, 1))
+    inter_node_latency: float = field(default=1.0e-5, metadata=limit(0, 1))
     efficiency: tuple[tuple[float, float], ...]
     """Achieved fraction of peak as a function of the FLOPs of one kernel-sized unit of work
     (one layer on one GPU): points (flops, fraction), interpolated in log(flops)."""
@@ -52,17 +56,14 @@ class HardwareSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("peak_flops", "memory_gib", "hbm_bandwidth", "intra_node_bandwidth",
-                     "inter_node_bandwidth"):
-            require(getattr(self, name) > 0, f"{name}: must be positive, got {getattr(self, name)}")
+        check_numbers(self)
         require(0 <= self.reserved_fraction < 1,
                 f"reserved_fraction: must be in [0, 1), got {self.reserved_fraction}")
-        require(self.intra_node_latency >= 0 and self.inter_node_latency >= 0,
-                "latencies must not be negative")
         require(0 <= self.comm_slowdown < 1, f"comm_slowdown: must be in [0, 1), got {self.comm_slowdown}")
         require(0 < self.plausible_mfu <= 1, f"plausible_mfu: must be in (0, 1], got {self.plausible_mfu}")
         require(len(self.efficiency) >= 1, "efficiency: needs at least one (flops, fraction) point")
         xs = [p[0] for p in self.efficiency]
+        require(xs[0] >= 1, f"efficiency: flops must be at least 1, got {xs[0]}")
         require(all(a < b for a, b in zip(xs, xs[1:])),
                 "efficiency: flops must increase from point to point")
         require(all(0 < p[1] <= 1 for p in self.efficiency),
@@ -112,12 +113,13 @@ class ClusterSpec:
     """Nodes of identical GPUs; GPU ``g`` sits on node ``g // gpus_per_node``."""
 
     hardware: HardwareSpec
-    nodes: int
-    gpus_per_node: int
+    nodes: int = field(metadata=limit(1, MAX_GPUS))
+    gpus_per_node: int = field(metadata=limit(1, MAX_GPUS))
 
     def __post_init__(self) -> None:
-        require(self.nodes >= 1, f"nodes: must be at least 1, got {self.nodes}")
-        require(self.gpus_per_node >= 1, f"gpus_per_node: must be at least 1, got {self.gpus_per_node}")
+        check_numbers(self)
+        require(self.gpus <= MAX_GPUS, f"nodes: {self.nodes} nodes of {self.gpus_per_node} GPUs are more than "
+                                       f"{MAX_GPUS} GPUs")
 
     @property
     def gpus(self) -> int:
@@ -133,6 +135,16 @@ class ClusterSpec:
                 f"gpus: {gpus} is not a whole number of {per_node}-GPU nodes")
         return ClusterSpec(hardware=self.hardware, nodes=gpus // per_node, gpus_per_node=per_node)
 
+    def resized(self, *, gpus: int | None = None, nodes: int | None = None) -> "ClusterSpec":
+        """The same hardware with another GPU and/or node count (``--gpus``, ``--nodes``): nodes
+        alone keep the GPUs per node, GPUs alone keep whole nodes, both set the GPUs per node."""
+        if nodes is None:
+            return self if gpus is None else self.with_gpus(gpus)
+        if gpus is None:
+            return ClusterSpec(hardware=self.hardware, nodes=nodes, gpus_per_node=self.gpus_per_node)
+        require(gpus % nodes == 0, f"gpus: {gpus} GPUs do not split evenly over {nodes} nodes")
+        return ClusterSpec(hardware=self.hardware, nodes=nodes, gpus_per_node=gpus // nodes)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:
@@ -143,21 +155,18 @@ class TrainingSpec:
     (fp32 master weights, Adam m and v) = 16 bytes per parameter.
     """
 
-    global_batch: int
+    global_batch: int = field(metadata=limit(1, MAX_GLOBAL_BATCH))
     """Samples per optimizer step, over all data-parallel replicas."""
-    weight_bytes: int = 2
-    grad_bytes: int = 2
-    optimizer_bytes: int = 12
-    activation_bytes: int = 2
+    weight_bytes: int = field(default=2, metadata=BYTES)
+    grad_bytes: int = field(default=2, metadata=BYTES)
+    optimizer_bytes: int = field(default=12, metadata=BYTES)
+    activation_bytes: int = field(default=2, metadata=BYTES)
     recompute: Literal["auto", "none", "selective", "full"] = "auto"
     """Activation recomputation the planner may use: 'auto' lets it choose per plan (the least that
     fits, in every space searched); a mode fixes it for every plan of every space."""
-    bucket_params: int = 40_000_000
+    bucket_params: int = field(default=40_000_000, metadata=limit(1, None))
     """Parameters per gradient bucket of the data-parallel reduction (Megatron's default bucket size):
     the first bucket's reduction starts once the backward has produced it."""
 
     def __post_init__(self) -> None:
-        require(self.global_batch >= 1, f"global_batch: must be at least 1, got {self.global_batch}")
-        require(self.bucket_params >= 1, f"bucket_params: must be at least 1, got {self.bucket_params}")
-        for name in ("weight_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"):
-            require(getattr(self, name) >= 0, f"{name}: must not be negative")
+        check_numbers(self)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 
 from dflop.errors import SpecError
+from dflop.specs.limits import MAX_DEPTH, MAX_FLOAT, MAX_INT
 
 T = TypeVar("T")
 
@@ -28,35 +31,134 @@ def require(condition: bool, message: str) -> None:
 
 
 def read_text(path: str | Path) -> str:
+    """The text of an input file, decoded as UTF-8 (a byte-order mark is dropped); every failure is
+    a SpecError naming the file, and for bytes that are not UTF-8 the line too."""
     p = Path(path)
     try:
-        return p.read_text()
+        data = p.read_bytes()
     except FileNotFoundError:
         raise SpecError(f"{p}: file not found") from None
     except IsADirectoryError:
-        raise SpecError(f"{p}: is a directory, expected a file") from None
+        raise SpecError(f"{p}: is a folder, expected a file") from None
     except OSError as exc:
         raise SpecError(f"{p}: cannot read ({exc.strerror})") from None
+    return decode(data, str(p))
+
+
+def decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise SpecError(f"{where}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
+
+
+def too_many_digits(exc: ValueError) -> str:
+    """The problem of an integer too long for Python to convert, without its advice to the programmer."""
+    return str(exc).split(";")[0]
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML that bounds nesting and refuses a key given twice in one mapping (YAML would keep
+    the last silently)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: the constructor reports it
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (first given on line {first + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """Parse YAML (or JSON) text; a problem names ``where`` and the line."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f"{where}:{mark.line + 1}" if mark is not None else where
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"{line}: not valid YAML ({problem})") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise SpecError(f"{where}: not valid YAML ({too_many_digits(exc)})") from None
 
 
 def load_yaml(path: str | Path) -> Any:
-    """Parse a YAML (or JSON) file; a syntax error names the file and line."""
-    text = read_text(path)
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError(f"{at(where)}: not valid YAML ({problem})") from None
+    """Parse a YAML (or JSON) file; a problem names the file and line."""
+    return parse_yaml(read_text(path), str(path))
 
 
-def load_json(path: str | Path) -> Any:
-    text = read_text(path)
+_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+
+
+def _too_deep(text: str) -> bool:
+    """Whether JSON ``text`` nests deeper than MAX_DEPTH, found at C speed before the parser
+    recurses: escapes and string contents dropped, every bracket made ``[]``, then the innermost
+    pairs peeled away one level a pass."""
+    data = text.encode("utf-8", "surrogatepass")
+    if b"\\" in data:
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    # Dropping two adjacent quotes keeps, for every bracket, the parity of the quotes before it
+    # (odd: inside a string), so most strings go at once and few pieces are left to split.
+    skeleton = data.translate(_BRACKETS, _NOT_STRUCTURE).replace(b'""', b"")
+    if b'"' in skeleton:
+        skeleton = b"".join(skeleton.split(b'"')[::2])
+    for _ in range(MAX_DEPTH):
+        peeled = skeleton.replace(b"[]", b"")
+        if not peeled or len(peeled) == len(skeleton):
+            return False  # balanced within the bound, or not JSON (the parser says why)
+        skeleton = peeled
+    return True
+
+
+class NotJson(SpecError):
+    """Text that is not valid JSON; ``problem`` says why, without the location."""
+
+    def __init__(self, where: str, problem: str, line: int | None = None) -> None:
+        self.problem = problem
+        super().__init__(f"{where}{'' if line is None else f':{line}'}: not valid JSON ({problem})")
+
+
+def parse_json(text: str, where: str) -> Any:
+    """Parse JSON text; a problem raises NotJson naming ``where`` and the line."""
+    if _too_deep(text):
+        raise NotJson(where, f"nested deeper than {MAX_DEPTH} levels")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SpecError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        raise NotJson(where, exc.msg, exc.lineno) from None
+    except RecursionError:  # unbalanced brackets the depth check could not pair up
+        raise NotJson(where, f"nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise NotJson(where, too_many_digits(exc)) from None
+
+
+def load_json(path: str | Path) -> Any:
+    return parse_json(read_text(path), str(path))
 
 
 def child(where: str, key: Any) -> str:
@@ -70,6 +172,57 @@ def at(where: str) -> str:
 
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
+
+
+def shown(value: Any) -> str:
+    """A value as an error message quotes it: its repr, shortened, so the message stays short."""
+    short = reprlib.Repr()
+    short.maxstring, short.maxother, short.maxlevel = 60, 60, 3
+    return short.repr(value)
+
+
+def limit(low: float | None = None, high: float | None = None) -> dict[str, Any]:
+    """Field metadata bounding a number beyond the checks every number gets:
+    ``samples: int = field(default=100, metadata=limit(1, MAX_SAMPLES))``."""
+    return {"low": low, "high": high}
+
+
+def number_problem(value: Any, bounds: Any = None) -> str | None:
+    """What is wrong with a number in a spec (None when nothing): every number is finite and at most
+    MAX_INT (integers) or MAX_FLOAT (reals) in magnitude, and within ``bounds`` (a field's
+    metadata, see :func:`limit`); lists and mappings are checked item by item."""
+    if isinstance(value, (tuple, list, dict)):
+        items = value.values() if isinstance(value, dict) else value
+        return next((p for p in map(number_problem, items) if p), None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    bounds = bounds or {}
+    largest = MAX_INT if isinstance(value, int) else MAX_FLOAT
+    low, high = bounds.get("low"), bounds.get("high")
+    low = -largest if low is None else max(low, -largest)
+    high = largest if high is None else min(high, largest)
+    if value < low:
+        return f"must be at least {_show(low)}, got {_show(value)}"
+    if value > high:
+        return f"must be at most {_show(high)}, got {_show(value)}"
+    return None
+
+
+def _show(number: float) -> str:
+    if isinstance(number, int) or (number.is_integer() and abs(number) < 1e16):
+        return shown(int(number))
+    return f"{number:g}"
+
+
+def check_numbers(spec: Any) -> None:
+    """Raise SpecError naming the field unless every number of ``spec`` passes
+    :func:`number_problem`; every spec calls this first in ``__post_init__``."""
+    for f in dataclasses.fields(spec):
+        problem = number_problem(getattr(spec, f.name), f.metadata)
+        if problem:
+            raise SpecError(f"{f.name}: {problem}")
 
 
 def convert(tp: Any, value: Any, where: str) -> Any:
@@ -91,18 +244,18 @@ def convert(tp: Any, value: Any, where: str) -> Any:
         raise SpecError(errors[0])
     if origin is Literal:
         allowed = get_args(tp)
-        if value not in allowed:
-            raise SpecError(f"{at(where)}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+        if not any(value == a and type(value) is type(a) for a in allowed):  # true is not 1
+            raise SpecError(f"{at(where)}: {shown(value)} is not one of {', '.join(map(repr, allowed))}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise SpecError(f"{at(where)}: expected true or false, got {_type_name(value)} {value!r}")
+            raise SpecError(f"{at(where)}: expected true or false, got {_type_name(value)} {shown(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            raise SpecError(f"{at(where)}: expected an integer, got {_type_name(value)} {value!r}")
+            raise SpecError(f"{at(where)}: expected an integer, got {_type_name(value)} {shown(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -111,16 +264,16 @@ def convert(tp: Any, value: Any, where: str) -> Any:
                     return float(value)  # YAML reads 1e9 (no dot) as a string
                 except ValueError:
                     pass
-            raise SpecError(f"{at(where)}: expected a number, got {_type_name(value)} {value!r}")
+            raise SpecError(f"{at(where)}: expected a number, got {_type_name(value)} {shown(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise SpecError(f"{at(where)}: expected a string, got {_type_name(value)} {value!r}")
+            raise SpecError(f"{at(where)}: expected a string, got {_type_name(value)} {shown(value)}")
         return value
     if origin is tuple:
         args = get_args(tp)
         if not isinstance(value, (list, tuple)):
-            raise SpecError(f"{at(where)}: expected a list, got {_type_name(value)} {value!r}")
+            raise SpecError(f"{at(where)}: expected a list, got {_type_name(value)} {shown(value)}")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
@@ -136,7 +289,7 @@ def convert(tp: Any, value: Any, where: str) -> Any:
             return tp(value)
         except ValueError:
             allowed = ", ".join(repr(m.value) for m in tp)
-            raise SpecError(f"{at(where)}: {value!r} is not one of {allowed}") from None
+            raise SpecError(f"{at(where)}: {shown(value)} is not one of {allowed}") from None
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -162,6 +315,9 @@ def from_mapping(cls: type[T], data: Any, where: str) -> T:
                 raise SpecError(f"{at(where)}: missing key '{name}'")
             continue
         kwargs[name] = convert(hints[name], data[name], child(where, name))
+        problem = number_problem(kwargs[name], field.metadata)
+        if problem:
+            raise SpecError(f"{at(child(where, name))}: {problem}")
     try:
         return cls(**kwargs)
     except SpecError as exc:
@@ -194,5 +350,9 @@ def load_spec(cls: type[T], path: str | Path, key: str | None = None) -> T:
 
 def save_spec(obj: Any, path: str | Path) -> Path:
     p = Path(path)
-    p.write_text(yaml.safe_dump(to_mapping(obj), sort_keys=False))
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(yaml.safe_dump(to_mapping(obj), sort_keys=False))
+    except OSError as exc:
+        raise SpecError(f"{p}: cannot write ({exc.strerror})") from None
     return p

@@ -7,12 +7,18 @@ in :mod:`dflop.cost` so that one place decides what a layer costs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from dflop.errors import SpecError
-from dflop.specs.loading import at, require
+from dflop.specs.limits import MAX_SIZE
+from dflop.specs.loading import at, check_numbers, limit, require
+
+SIZE = limit(1, MAX_SIZE)
+"""Bounds of an architecture size (layers, widths, heads, tokens)."""
+PIXELS = limit(1, 16384)
+"""Bounds of an image side in pixels (an encoder's attention grows with its fourth power)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,30 +33,30 @@ class TilingSpec:
     """
 
     scheme: Literal["anyres", "dynamic"]
-    tile_size: int
+    tile_size: int = field(metadata=PIXELS)
     """Pixels per tile side (the encoder's input resolution)."""
-    max_grid: int = 6
+    max_grid: int = field(default=6, metadata=limit(1, 64))
     """anyres: grids from 1x1 up to max_grid x max_grid tiles."""
-    max_tiles: int = 12
+    max_tiles: int = field(default=12, metadata=limit(1, 128))
     """dynamic: at most this many tiles per image."""
-    anyres_max: int = 9
+    anyres_max: int = field(default=9, metadata=limit(1, 64 * 64))
     """anyres: grid features are downsampled to at most this many tiles' worth of tokens."""
     thumbnail: bool = True
     """A base (anyres) or thumbnail (dynamic) tile is added to every multi-tile image."""
-    tile_tokens: int
+    tile_tokens: int = field(metadata=SIZE)
     """LLM tokens produced by one tile."""
     newline_tokens: bool = True
     """anyres adds one newline token per row of grid features."""
-    multi_image_tokens: int
+    multi_image_tokens: int = field(metadata=SIZE)
     """LLM tokens per image of a multi-image sample (each image is one tile)."""
-    frame_tokens: int
+    frame_tokens: int = field(metadata=SIZE)
     """LLM tokens per video frame after spatial pooling."""
     video_newline: Literal["grid", "frame", "one_token", "none"] = "grid"
     """Where newline tokens go in a video (LLaVA-NeXT's ``mm_newline_position``): after each
     pooled row of every frame (``grid``, 196 + 14 = 210 tokens a SigLIP frame), after each frame,
     once after the whole video (``one_token``), or never."""
-    max_frames: int = 32
-    fps: float = 1.0
+    max_frames: int = field(default=32, metadata=SIZE)
+    fps: float = field(default=1.0, metadata=limit(high=1000.0))
     """Frames sampled per second of video, before the max_frames cap."""
     multi_image: Literal["one_tile", "dynamic"] = "one_tile"
     """Each image of a multi-image sample is one tile (LLaVA-OneVision), or is tiled dynamically
@@ -59,13 +65,11 @@ class TilingSpec:
     """``fps``: ``fps`` frames per second of video, at most ``max_frames`` (LLaVA-OneVision);
     ``uniform``: a seeded draw of ``min_frames`` to ``max_frames`` frames per video whatever its
     length (InternVL, which pads short videos with their last frame)."""
-    min_frames: int = 1
+    min_frames: int = field(default=1, metadata=SIZE)
 
     def __post_init__(self) -> None:
-        for name in ("tile_size", "max_grid", "max_tiles", "anyres_max", "tile_tokens",
-                     "multi_image_tokens", "frame_tokens", "max_frames", "min_frames"):
-            require(getattr(self, name) >= 1, f"{name}: must be at least 1, got {getattr(self, name)}")
-        require(math.isfinite(self.fps) and self.fps > 0, f"fps: must be positive and finite, got {self.fps}")
+        check_numbers(self)
+        require(self.fps > 0, f"fps: must be positive, got {self.fps}")
         require(self.min_frames <= self.max_frames,
                 f"min_frames: {self.min_frames} is more than max_frames {self.max_frames}")
         require(self.multi_image == "one_tile" or self.scheme == "dynamic",
@@ -95,30 +99,28 @@ class EncoderSpec:
 
     name: str
     family: Literal["siglip", "internvit"]
-    layers: int
-    hidden: int
-    heads: int
-    mlp: int
+    layers: int = field(metadata=SIZE)
+    hidden: int = field(metadata=SIZE)
+    heads: int = field(metadata=SIZE)
+    mlp: int = field(metadata=SIZE)
     """Intermediate size of the (GELU, two-matrix) MLP."""
-    image_size: int
-    patch_size: int
+    image_size: int = field(metadata=PIXELS)
+    patch_size: int = field(metadata=PIXELS)
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     qk_norm: bool = False
     qkv_bias: bool = True
-    downsample: float = 1.0
+    downsample: float = field(default=1.0, metadata=limit(0.01, 1.0))
     """Pixel-shuffle ratio before the projector (InternViT: 0.5, four patches become one token)."""
     tiling: TilingSpec
     source: str = ""
     """Where the numbers come from (public config file)."""
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "mlp", "image_size", "patch_size"):
-            require(getattr(self, name) >= 1, f"{name}: must be at least 1, got {getattr(self, name)}")
+        check_numbers(self)
         require(self.hidden % self.heads == 0,
                 f"heads: {self.heads} does not divide hidden size {self.hidden}")
         require(self.image_size >= self.patch_size,
                 f"patch_size: {self.patch_size} is larger than image_size {self.image_size}")
-        require(0 < self.downsample <= 1, f"downsample: must be in (0, 1], got {self.downsample}")
 
     @property
     def head_dim(self) -> int:
@@ -153,13 +155,13 @@ class LLMSpec:
     """A decoder-only LLM with RMSNorm, RoPE, grouped-query attention and SwiGLU."""
 
     name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
+    layers: int = field(metadata=SIZE)
+    hidden: int = field(metadata=SIZE)
+    heads: int = field(metadata=SIZE)
+    kv_heads: int = field(metadata=SIZE)
+    ffn: int = field(metadata=SIZE)
     """Intermediate size of the SwiGLU MLP."""
-    vocab: int
+    vocab: int = field(metadata=SIZE)
     tie_embeddings: bool = False
     qkv_bias: bool = False
     rope_theta: float = 1.0e6
@@ -167,8 +169,7 @@ class LLMSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
-            require(getattr(self, name) >= 1, f"{name}: must be at least 1, got {getattr(self, name)}")
+        check_numbers(self)
         require(self.hidden % self.heads == 0,
                 f"heads: {self.heads} does not divide hidden size {self.hidden}")
         require(self.heads % self.kv_heads == 0,

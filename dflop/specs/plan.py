@@ -12,7 +12,7 @@ from typing import Literal
 
 from dflop.errors import PlanError
 from dflop.specs.hardware import ClusterSpec
-from dflop.specs.loading import require
+from dflop.specs.loading import check_numbers, require
 from dflop.specs.models import MLLMSpec
 
 
@@ -67,6 +67,7 @@ class ModulePlan:
     """Layers of each (virtual) pipeline stage, first to last; empty means an even split."""
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         for name in ("tp", "pp", "dp"):
             require(getattr(self, name) >= 1, f"{name}: must be at least 1, got {getattr(self, name)}")
         require(all(n >= 1 for n in self.layers_per_stage),
@@ -117,6 +118,7 @@ class Plan:
     """Activation recomputation of every layer of both modules."""
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         for name, enum in (("placement", Placement), ("recompute", Recompute)):
             value = getattr(self, name)
             if not isinstance(value, enum):  # accept the plain name too

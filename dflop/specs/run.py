@@ -17,7 +17,8 @@ import yaml
 from dflop.specs import scheduling
 from dflop.specs.execution import ExecutionSpec
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
-from dflop.specs.loading import from_mapping, load_yaml, require
+from dflop.specs.limits import MAX_SAMPLES, MAX_SECONDS, MAX_STEPS
+from dflop.specs.loading import check_numbers, from_mapping, limit, load_yaml
 from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
 from dflop.specs.plan import Plan
 
@@ -32,23 +33,24 @@ class DataSpec:
     dataset: str = ""
     """Path of a manifest or dataset list, read as `dflop profile data --dataset` reads it (takes
     precedence over profile and preset)."""
-    samples: int = 20000
+    samples: int = field(default=20000, metadata=limit(1, MAX_SAMPLES))
     """Samples drawn from a preset (the pool global batches are drawn from)."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=limit(0))
 
     def __post_init__(self) -> None:
-        require(self.samples >= 1, f"samples: must be at least 1, got {self.samples}")
+        check_numbers(self)
 
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerSpec:
     solver: str = "auto"
     """Microbatch partitioner: auto, ilp, greedy, lpt, kk, sequential or random (any case)."""
-    time_limit: float = 0.5
+    time_limit: float = field(default=0.5, metadata=limit(high=MAX_SECONDS))
     """Seconds the partitioner may spend on one global batch (finite, above 0)."""
     ilp_backend: Literal["cbc", "highs"] = "cbc"
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         object.__setattr__(self, "solver", scheduling.solver(self.solver, "solver").value)
         scheduling.time_limit(self.time_limit, "time_limit")
 
@@ -61,9 +63,9 @@ class RunConfig:
     training: TrainingSpec
     data: DataSpec = field(default_factory=DataSpec)
     scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
-    steps: int = 8
+    steps: int = field(default=8, metadata=limit(1, MAX_STEPS))
     """Training steps to simulate or run."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=limit(0))
     plan: Plan | None = None
     """A fixed plan; when absent the optimizer chooses one."""
     profiles: tuple[str, ...] = ()
@@ -72,7 +74,7 @@ class RunConfig:
     """How the torch backend runs the plan (device, precision, optimizer, checkpoints)."""
 
     def __post_init__(self) -> None:
-        require(self.steps >= 1, f"steps: must be at least 1, got {self.steps}")
+        check_numbers(self)
 
     @property
     def model(self) -> MLLMSpec:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflop.errors import DflopError
+from dflop.specs.loading import limit, load_json, number_problem, shown
 
 FORMAT = "dflop.trace/1"
 COMPUTE, COMM = 0, 1
@@ -75,9 +76,82 @@ def save_trace(doc: dict[str, Any], path: str | Path) -> Path:
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:
-    from dflop.specs.loading import load_json
-
+    """Read a trace, checked so that metrics and timelines can trust every field they use."""
     doc = load_json(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise DflopError(f"{path}: not a Chrome trace (no 'traceEvents' list)")
+    check_trace(doc, str(path))
     return doc
+
+
+def check_trace(doc: dict[str, Any], where: str) -> None:
+    """Raise DflopError naming the entry unless ``otherData`` has the shape this module writes and
+    every complete (X) and counter (C) event has a pid (a worker's index when workers are listed)
+    and finite times; events of other kinds are left as they are."""
+    workers = _check_other(doc.get("otherData", {}), where)
+    for i, event in enumerate(doc["traceEvents"]):
+        at = f"{where}: traceEvents[{i}]"
+        if not isinstance(event, dict):
+            raise DflopError(f"{at}: expected an event object, got {type(event).__name__}")
+        if event.get("ph") in ("X", "C"):
+            _check_event(event, at, workers)
+
+
+def _check_other(other: Any, where: str) -> list[dict[str, Any]]:
+    """Check otherData; return its workers."""
+    if not isinstance(other, dict):
+        raise DflopError(f"{where}: otherData: expected a mapping")
+    workers = _entries(other, "workers", ("name", "module", "rank", "gpus"), where)
+    for i, worker in enumerate(workers):
+        if not isinstance(worker["gpus"], list) or not worker["gpus"]:
+            raise DflopError(f"{where}: otherData.workers[{i}]: 'gpus' must be a non-empty list")
+    for i, step in enumerate(_entries(other, "steps", ("start_us", "end_us"), where)):
+        for key in ("start_us", "end_us", "compute_end_us"):
+            if key in step:
+                _number(step[key], f"{where}: otherData.steps[{i}]: '{key}'")
+    if not isinstance(other.get("oom", []), list):
+        raise DflopError(f"{where}: otherData.oom: expected a list")
+    if other.get("peak_flops") is not None:
+        _number(other["peak_flops"], f"{where}: otherData: 'peak_flops'", low=0)
+    return workers
+
+
+def _check_event(event: dict[str, Any], at: str, workers: list[dict[str, Any]]) -> None:
+    needed = ("pid", "ts", "dur") if event["ph"] == "X" else ("pid", "ts")
+    missing = [k for k in needed if k not in event]
+    if missing:
+        raise DflopError(f"{at}: a '{event['ph']}' event needs '{missing[0]}'")
+    pid = event["pid"]
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid < 0:
+        raise DflopError(f"{at}: 'pid' must be an integer >= 0, got {shown(pid)}")
+    if workers and pid >= len(workers):
+        raise DflopError(f"{at}: pid {pid} is not one of the {len(workers)} workers in otherData")
+    _number(event["ts"], f"{at}: 'ts'")
+    if event["ph"] == "X":
+        _number(event["dur"], f"{at}: 'dur'", low=0)
+    args = event.get("args", {})
+    if not isinstance(args, dict):
+        raise DflopError(f"{at}: 'args' must be a mapping")
+    for key in ("flops", "GiB"):
+        if key in args:
+            _number(args[key], f"{at}: args.{key}", low=0)
+
+
+def _entries(other: dict[str, Any], key: str, required: tuple[str, ...], where: str) -> list[dict[str, Any]]:
+    """otherData[key]: a list of mappings, each with the ``required`` keys."""
+    entries = other.get(key, [])
+    if not isinstance(entries, list):
+        raise DflopError(f"{where}: otherData.{key}: expected a list")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or any(k not in entry for k in required):
+            raise DflopError(f"{where}: otherData.{key}[{i}]: expected a mapping with "
+                             + ", ".join(f"'{k}'" for k in required))
+    return entries
+
+
+def _number(value: Any, where: str, low: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DflopError(f"{where}: expected a number, got {shown(value)}")
+    problem = number_problem(value, limit(low))
+    if problem:
+        raise DflopError(f"{where}: {problem}")

@@ -10,6 +10,11 @@ Definitions (GPU-weighted: a worker of 4 GPUs counts 4 times):
 - idle fraction: idle share over the whole step (the all-reduce tail included);
 - utilisation: 1 - idle fraction; MFU: model FLOPs / (GPUs x peak x time);
   HFU: the same with the FLOPs executed (recomputation counted; ``hw_flops``).
+
+A trace with no steps (no complete events, or steps that take no time) has
+nothing to measure: its step times are empty and its step time, bubble, idle
+fraction, utilisation, MFU and HFU are None (null in JSON), not a 0 or a 1 that
+would read as a measurement.
 """
 
 from __future__ import annotations
@@ -29,21 +34,21 @@ class TraceMetrics:
     busy_s: list[float]
     """Per rank (pid), summed over steps."""
     idle_s: list[float]
-    bubble_fraction: float
-    idle_fraction: float
-    utilisation: float
+    bubble_fraction: float | None
+    idle_fraction: float | None
+    utilisation: float | None
     mfu: float | None
     hfu: float | None
     peak_memory_gib: list[float]
     oom: list[dict[str, Any]]
 
     @property
-    def step_time_mean(self) -> float:
-        return float(np.mean(self.step_time_s))
+    def step_time_mean(self) -> float | None:
+        return float(np.mean(self.step_time_s)) if self.step_time_s else None
 
     @property
-    def step_time_p50(self) -> float:
-        return float(np.median(self.step_time_s))
+    def step_time_p50(self) -> float | None:
+        return float(np.median(self.step_time_s)) if self.step_time_s else None
 
     def as_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "step_time_s": {"mean": self.step_time_mean, "p50": self.step_time_p50,
@@ -61,7 +66,7 @@ def metrics(doc: dict[str, Any]) -> TraceMetrics:
                   | set(range(len(other.get("workers", [])))))
     workers = other.get("workers", [])
     weight = {pid: len(workers[pid]["gpus"]) if pid < len(workers) else 1 for pid in pids}
-    steps = other.get("steps") or [_whole(events)]
+    steps = other.get("steps") or _whole(events)
     n = len(pids)
     index = {pid: i for i, pid in enumerate(pids)}
     busy = np.zeros(n)
@@ -82,17 +87,17 @@ def metrics(doc: dict[str, Any]) -> TraceMetrics:
     for e in events:
         if e.get("ph") == "C" and e.get("pid") in index:
             i = index[e["pid"]]
-            peaks[i] = max(peaks[i], e["args"].get("GiB", 0.0))
+            peaks[i] = max(peaks[i], e.get("args", {}).get("GiB", 0.0))
     peak_flops = other.get("peak_flops")
-    idle_fraction = 1.0 - total_busy / (gpus * total_step) if total_step > 0 else 0.0
+    idle_fraction = 1.0 - total_busy / (gpus * total_step) if total_step > 0 else None
     return TraceMetrics(
         steps=len(steps),
         step_time_s=step_times,
         busy_s=(busy / 1e6).tolist(),
         idle_s=(total_step - busy / 1e6).tolist(),
-        bubble_fraction=1.0 - total_busy / (gpus * total_compute) if total_compute > 0 else 0.0,
+        bubble_fraction=1.0 - total_busy / (gpus * total_compute) if total_compute > 0 else None,
         idle_fraction=idle_fraction,
-        utilisation=1.0 - idle_fraction,
+        utilisation=None if idle_fraction is None else 1.0 - idle_fraction,
         mfu=flops / (gpus * peak_flops * total_step) if peak_flops and total_step > 0 else None,
         hfu=hw_flops / (gpus * peak_flops * total_step) if peak_flops and total_step > 0 else None,
         peak_memory_gib=peaks,
@@ -100,11 +105,12 @@ def metrics(doc: dict[str, Any]) -> TraceMetrics:
     )
 
 
-def _whole(events: list[dict[str, Any]]) -> dict[str, float]:
+def _whole(events: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """One step spanning every complete event of a trace that marks no steps (none without events)."""
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X"]
     if not spans:
-        return {"start_us": 0.0, "end_us": 0.0}
+        return []
     compute_end = max((e["ts"] + e["dur"] for e in events if e.get("ph") == "X" and e.get("tid") == COMPUTE),
                       default=0.0)
-    return {"start_us": min(s for s, _ in spans), "end_us": max(t for _, t in spans),
-            "compute_end_us": compute_end}
+    return [{"start_us": min(s for s, _ in spans), "end_us": max(t for _, t in spans),
+             "compute_end_us": compute_end}]

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dflop.errors import DflopError
+from dflop.errors import DflopError, check_output
+
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+"""Figure files dflop writes (matplotlib picks the format from the suffix)."""
 
 COLORS = {
     "text": "#7f7f7f",
@@ -34,24 +37,20 @@ COMM_NAMES = {"p2p": "p2p send", "bridge": "encoder->LLM bridge", "reduce_grad":
 
 
 def figure(rows: int, cols: int, size: tuple[float, float], **kwargs: Any):
-    import matplotlib
+    """A figure of its own, outside pyplot: no backend is chosen or switched (a notebook's inline
+    display keeps working), and nothing stays open once it is saved or dropped."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(rows, cols, figsize=size, **kwargs)
-    return fig, axes
+    fig = Figure(figsize=size)
+    return fig, fig.subplots(rows, cols, **kwargs)
 
 
 def save(fig: Any, path: str | Path) -> Path:
-    import matplotlib.pyplot as plt
-
     p = Path(path)
     try:
+        check_output(p, suffixes=IMAGE_SUFFIXES)
         p.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(p, dpi=110, bbox_inches="tight")
     except OSError as exc:
         raise DflopError(f"{p}: cannot write the figure ({exc.strerror})") from None
-    finally:
-        plt.close(fig)
     return p

@@ -15,6 +15,7 @@ stage. :func:`layout` says what would be drawn, so tests check the content, and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -189,6 +190,8 @@ def _title(doc: dict[str, Any], label: str, step: Step, shown: int) -> str:
     head = " | ".join(x for x in (label, other.get("plan", "")) if x)
     total = len(other.get("workers", [])) or shown
     ranks = f"{total} ranks" if shown == total else f"{shown} of {total} ranks shown"
+    if not m.steps:
+        return "\n".join(x for x in (head, f"no steps in the trace | {ranks}") if x)
     if step == "all" or len(steps) == 1:
         what = f"{len(steps)} step{'s' if len(steps) > 1 else ''}, mean {m.step_time_mean:.3g} s"
     else:
@@ -196,8 +199,13 @@ def _title(doc: dict[str, Any], label: str, step: Step, shown: int) -> str:
         s = steps[k - 1]
         what = (f"{'first step' if step is None else f'step {k}'} of {len(steps)}: "
                 f"{(s['end_us'] - s['start_us']) / 1e6:.3g} s, mean {m.step_time_mean:.3g} s")
-    return "\n".join(x for x in (head, f"{what} | bubble {m.bubble_fraction:.1%} | idle {m.idle_fraction:.1%} | "
-                                       f"{ranks}") if x)
+    return "\n".join(x for x in (head, f"{what} | bubble {_share(m.bubble_fraction)} | "
+                                       f"idle {_share(m.idle_fraction)} | {ranks}") if x)
+
+
+def _share(fraction: float | None) -> str:
+    """A fraction as a percentage; '-' where the trace has nothing to measure it on."""
+    return "-" if fraction is None else f"{fraction:.1%}"
 
 
 def layout(doc: dict[str, Any], *, compare: dict[str, Any] | None = None, labels: Sequence[str] = ("", ""),
@@ -206,8 +214,8 @@ def layout(doc: dict[str, Any], *, compare: dict[str, Any] | None = None, labels
 
     ``step``: 1-based step to draw, ``"all"``, or None for the first; ``window``: (start, end) in
     seconds from the step's start (from the trace's start with all steps)."""
-    if window is not None and not 0 <= window[0] < window[1]:
-        raise DflopError(f"window {window[0]:g} {window[1]:g}: needs 0 <= START < END (seconds)")
+    if window is not None and not (0 <= window[0] < window[1] and math.isfinite(window[1])):
+        raise DflopError(f"window {window[0]:g} {window[1]:g}: needs 0 <= START < END, both finite (seconds)")
     docs = [doc] + ([compare] if compare is not None else [])
     panels = []
     for d, label, default in zip(docs, list(labels) + ["", ""], ("the trace", "the compared trace")):
@@ -288,7 +296,13 @@ def _draw(ax: Any, panel: Panel, tl: Timeline) -> None:
 
 
 def draw(tl: Timeline, path: str | Path) -> Path:
-    """Draw a :class:`Timeline` to a PNG: its panels stacked, on one time axis, one legend below."""
+    """Draw a :class:`Timeline` to a PNG."""
+    return style.save(figure(tl), path)
+
+
+def figure(tl: Timeline) -> Any:
+    """A :class:`Timeline` as a matplotlib Figure (a notebook shows it inline): its panels stacked,
+    on one time axis, one legend below."""
     heights = [max(2.4, 0.34 * len(p.rows) + 1.6) for p in tl.panels]
     fig, axes = style.figure(len(tl.panels), 1, size=(13, sum(heights) + 0.6), sharex=True,
                              gridspec_kw={"height_ratios": heights})
@@ -307,7 +321,7 @@ def draw(tl: Timeline, path: str | Path) -> Path:
     names = list(dict.fromkeys(n for n in names if n in handles))
     fig.legend([handles[n] for n in names], names, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=6,
                fontsize=8, frameon=False)
-    return style.save(fig, path)
+    return fig
 
 
 def plot_timeline(doc: dict[str, Any], path: str | Path, *, compare: dict[str, Any] | None = None,
@@ -315,3 +329,9 @@ def plot_timeline(doc: dict[str, Any], path: str | Path, *, compare: dict[str, A
                   window: tuple[float, float] | None = None) -> Path:
     """Draw ``doc`` (and ``compare`` below it, on the same time axis) to a PNG; see :func:`layout`."""
     return draw(layout(doc, compare=compare, labels=labels, step=step, window=window, max_rows=max_rows), path)
+
+
+def timeline_figure(doc: dict[str, Any], *, compare: dict[str, Any] | None = None, labels: Sequence[str] = ("", ""),
+                    max_rows: int = 40, step: Step = None, window: tuple[float, float] | None = None) -> Any:
+    """What :func:`plot_timeline` draws, as a matplotlib Figure to show rather than a file."""
+    return figure(layout(doc, compare=compare, labels=labels, step=step, window=window, max_rows=max_rows))

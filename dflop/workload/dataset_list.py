@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from dflop.errors import ManifestError
+from dflop.errors import ManifestError, SpecError
+from dflop.specs.loading import parse_yaml
 from dflop.workload.entries import decode
 
 
@@ -146,13 +146,9 @@ def _strategy(value: Any, where: str) -> Sampling:
 
 def data_yaml(path: Path, data: bytes) -> list[Source]:
     try:
-        doc = yaml.safe_load(decode(data, path))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise ManifestError(f"{where}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
-    except RecursionError:
-        raise ManifestError(f"{path}: YAML nested too deeply") from None
+        doc = parse_yaml(decode(data, path), str(path))  # bounded nesting, no duplicate keys
+    except SpecError as exc:
+        raise ManifestError(str(exc)) from None
     datasets = doc.get("datasets") if isinstance(doc, dict) else None
     if not isinstance(datasets, list) or not datasets:
         found = f"keys {', '.join(map(str, doc))}" if isinstance(doc, dict) and doc else type(doc).__name__

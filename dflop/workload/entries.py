@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflop.errors import ManifestError
+from dflop.specs.loading import too_many_digits
 
 BOM = b"\xef\xbb\xbf"
 
@@ -62,6 +63,8 @@ def parse_json(text: str, path: Path) -> Any:
         raise ManifestError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
     except RecursionError:
         raise ManifestError(f"{path}: JSON nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise ManifestError(f"{path}: not valid JSON ({too_many_digits(exc)})") from None
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ class Entries:
             raise EntryError(f"{self.where(index)}: not valid JSON ({exc.msg})", "not valid JSON") from None
         except RecursionError:
             raise EntryError(f"{self.where(index)}: JSON nested too deeply", "not valid JSON") from None
+        except ValueError as exc:  # an integer of more digits than Python converts
+            raise EntryError(f"{self.where(index)}: not valid JSON ({too_many_digits(exc)})",
+                             "not valid JSON") from None
 
 
 def entries(path: Path, data: bytes) -> Entries:

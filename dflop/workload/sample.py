@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from dflop.errors import DflopError
+from dflop.specs.limits import MAX_SIZE
 
 
 class Modality(str, Enum):
@@ -149,12 +150,23 @@ class SampleTable:
         }
 
     @classmethod
-    def from_columns(cls, columns: dict[str, list], where: str) -> "SampleTable":
+    def from_columns(cls, columns: Any, where: str) -> "SampleTable":
+        """The inverse of :meth:`columns`; whatever is wrong with them names ``where``."""
+        if not isinstance(columns, dict):
+            raise DflopError(f"{where}: samples: expected a mapping of columns, got {type(columns).__name__}")
         try:
             codes = [Modality(m).code for m in columns["modality"]]
-            return cls.build(columns["id"], codes, columns["tiles"], columns["text_tokens"],
-                             columns["image_tokens"])
+            table = cls.build(columns["id"], codes, columns["tiles"], columns["text_tokens"],
+                              columns["image_tokens"])
         except KeyError as exc:
             raise DflopError(f"{where}: samples: missing column {exc}") from None
-        except ValueError as exc:
-            raise DflopError(f"{where}: samples: {exc}") from None
+        except (ValueError, TypeError, OverflowError, DflopError) as exc:
+            raise DflopError(f"{where}: samples: {str(exc).removeprefix('sample table: ')}") from None
+        for name, column in zip(("id", "modality", "tiles", "text_tokens", "image_tokens"),
+                                (table.ids, table.modality, table.tiles, table.text_tokens, table.image_tokens)):
+            if column.ndim != 1:
+                raise DflopError(f"{where}: samples: column '{name}' must be a flat list")
+            if name in ("tiles", "text_tokens", "image_tokens") and len(column) and column.max() > MAX_SIZE:
+                raise DflopError(f"{where}: samples: column '{name}': must be at most {MAX_SIZE} per sample, "
+                                 f"got {column.max()}")
+        return table
