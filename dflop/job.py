@@ -26,7 +26,7 @@ from dflop.plan.report import Baseline, OptimizeResult, implausible, score
 from dflop.plan.search import Optimizer, Progress
 from dflop.plan.space import BASELINES, DFLOP
 from dflop.program.evaluate import evaluate
-from dflop.program.schedules import canonical
+from dflop.program.schedules import canonical, stages_per_rank
 from dflop.program.steps import StepRunner
 from dflop.schedule.background import AsyncScheduler
 from dflop.schedule.batching import Batching, assign, synchronised
@@ -313,6 +313,7 @@ def pick_plan(s: Setup, schedule: str | None, log: Log = _stderr) -> Plan:
     else:
         log("dflop: no plan given; searching one ...")
         plan = optimize(s, baselines=False).best.plan
-    if schedule is not None:
-        plan = replace(plan, schedule=canonical(schedule))
+    if schedule is not None:  # with the stages per rank it needs (2 for a V), else the plan's
+        name = canonical(schedule)
+        plan = replace(plan, schedule=name, virtual_stages=stages_per_rank(name, plan.virtual_stages))
     return plan

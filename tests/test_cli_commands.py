@@ -92,3 +92,17 @@ def test_unwritable_output_and_unknown_backend(tmp_path):
     assert_one_line_error(dflop("optimize", "--config", small_config(tmp_path), "--out", blocker / "plan.yaml"),
                           "plan.yaml: cannot be written", "file is not a folder")
     assert_one_line_error(dflop("run", "--backend", "nope"), "'--backend'", "'nope' is not one of 'sim', 'torch'")
+
+
+def test_simulate_takes_a_v_schedule_by_any_case_with_the_stages_it_needs(tmp_path):
+    plan = tmp_path / "pp.yaml"
+    plan.write_text("encoder: {tp: 2, pp: 1, dp: 2}\nllm: {tp: 2, pp: 2, dp: 2}\nplacement: colocated\n"
+                    "microbatches: 8\nschedule: 1F1B\n")
+    config = small_config(tmp_path)
+    for name, schedule in (("dualpipev", "DualPipeV"), ("ZBVZEROBUBBLE", "ZBVZeroBubble")):
+        sim = dflop_json("simulate", "--config", config, "--plan", plan, "--schedule", name, "--steps", 1,
+                         "--out", tmp_path / name)
+        assert (sim["plan"]["schedule"], sim["plan"]["virtual_stages"]) == (schedule, 2)
+    back = dflop_json("simulate", "--config", config, "--plan", plan, "--schedule", "gpipe", "--steps", 1,
+                      "--out", tmp_path / "g")
+    assert (back["plan"]["schedule"], back["plan"]["virtual_stages"]) == ("GPipe", 1)
