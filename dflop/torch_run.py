@@ -203,7 +203,7 @@ def report(system: System, config: RunConfig, arms: list[Arm], results: dict[str
     batch = system.training.global_batch
     mine = results["dflop"]
     data = {"backend": "torch", "device": str(config.execution.device), "plan": job.plan_summary(arms[0].plan),
-            **_measured(mine, batch, "dflop", out), "steps": len(mine.steps), "global_batch": batch,
+            "batching": str(arms[0].batching), **_measured(mine, batch, "dflop", out), "steps": len(mine.steps), "global_batch": batch,
             "gpus": arms[0].plan.gpus, "model": system.model.name, "data": source, "cost_model": system.cost.name}
     timeline = plot_timeline(mine.trace, out / "timeline.png", compare=mine.extra["predicted_trace"],
                              labels=("measured (torch)", "predicted (simulator)"))

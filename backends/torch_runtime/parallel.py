@@ -143,6 +143,7 @@ def fully_shard_stage(module: nn.Module, mesh, reshard_after_forward: bool = Tru
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
     for unit in units + [module]:  # the loss is already normalised over the global batch: sum, not mean
         unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # fp32/bf16 would otherwise use PREMUL_SUM, which gloo lacks
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

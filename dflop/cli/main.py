@@ -458,7 +458,7 @@ def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | N
 
 def _torch_human(r: dict[str, Any]) -> str:
     def line(name: str, x: dict[str, Any]) -> list[str]:
-        return [f"{name:<9} {x['plan']['describe']}",
+        return [f"{name:<9} {x['plan']['describe']}" + (f" ({x['batching']} bins)" if "batching" in x else ""),
                 f"          measured step {x['step_time_s']['mean']:.3f} s = step graph {x['graph_time_s']['mean']:.3f} s "
                 f"+ optimizer {x['optimizer_time_s']['mean']:.3f} s; predicted graph "
                 f"{x['predicted_step_time_s']['mean']:.3f} s ({x['prediction_error']:+.1%} after step 1)",
