@@ -4,8 +4,10 @@ shapes it was not fitted on.
 Run: .venv/bin/python benchmarks/bench_profile.py [--quick] [--json PATH]
 (a few minutes at most on a laptop CPU; --quick measures the small grid with 2 repeats)
 
-CPU timings on a shared machine are noisy; OMP_NUM_THREADS=1 steadies them (the
-shipped profile was measured so, and its records say how many threads they used).
+CPU timings on a shared machine are noisy; OMP_NUM_THREADS=1 steadies them. Like the
+shipped profile, it measures with two lock-step processes (``--processes 2``), the way the
+torch backend's two ranks share this machine; the records say how many threads and
+processes measured them.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def main() -> None:
         for model in ("tiny-llm", "tiny-vit"):
             start = time.perf_counter()
             report = profile_model(model, folder, grid="quick" if args.quick else None,
-                                   repeats=2 if args.quick else None)
+                                   repeats=2 if args.quick else None, processes=2)
             seconds = time.perf_counter() - start
             err = holdout_error([r for r in ProfileStore.in_dir(folder).read() if r["model"] == model])
             rows.append([model, report.measured, round(seconds, 1), err["shapes"], f"{err['median']:.1%}",

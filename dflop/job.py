@@ -229,7 +229,7 @@ def step_fields(sim: BackendResult, global_batch: int) -> dict[str, Any]:
     return {"step_time_s": {"mean": m.step_time_mean, "p50": m.step_time_p50},
             "throughput_samples_per_s": global_batch / m.step_time_mean,
             "bubble_fraction": m.bubble_fraction, "idle_fraction": m.idle_fraction,
-            "utilisation": m.utilisation, "mfu": m.mfu, "hfu": m.hfu,
+            "idle_by_module": m.idle_by_module, "utilisation": m.utilisation, "mfu": m.mfu, "hfu": m.hfu,
             "peak_memory_gib": max(m.peak_memory_gib, default=0.0),
             "oom_events": len(m.oom)}
 

@@ -106,3 +106,18 @@ def test_simulate_takes_a_v_schedule_by_any_case_with_the_stages_it_needs(tmp_pa
     back = dflop_json("simulate", "--config", config, "--plan", plan, "--schedule", "gpipe", "--steps", 1,
                       "--out", tmp_path / "g")
     assert (back["plan"]["schedule"], back["plan"]["virtual_stages"]) == ("GPipe", 1)
+
+
+def test_simulate_says_which_module_idles(tmp_path):
+    plan = tmp_path / "dis.yaml"  # the encoder on 2 GPUs of its own, the LLM in 2 stages of TP 2 on 4
+    plan.write_text("encoder: {tp: 1, pp: 1, dp: 2}\nllm: {tp: 2, pp: 2, dp: 1}\nplacement: disaggregated\n"
+                    "microbatches: 4\nschedule: 1F1B\n")
+    proc = dflop("simulate", "--config", small_config(tmp_path), "--plan", plan, "--steps", 1, "--out", tmp_path / "s")
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if "idle" in x)
+    sim = dflop_json("simulate", "--config", small_config(tmp_path), "--plan", plan, "--steps", 1,
+                     "--out", tmp_path / "j")
+    idle = sim["idle_by_module"]
+    assert set(idle) == {"encoder", "llm"}
+    assert f"idle {sim['idle_fraction']:.1%} (encoder {idle['encoder']:.1%}, LLM {idle['llm']:.1%})" in line
+    assert (2 * idle["encoder"] + 4 * idle["llm"]) / 6 == pytest.approx(sim["idle_fraction"])

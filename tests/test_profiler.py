@@ -32,6 +32,23 @@ def test_quick_profile_and_rerun(tmp_path):
     assert again["measured"] == 0 and again["reused"] == first["records"]
 
 
+def test_lock_step_processes_measure_alongside_and_a_dead_twin_stops_the_run(tmp_path):
+    out = dflop_json("profile", "model", "--model", "tiny-vit", "--grid", "quick", "--repeats", 1,
+                     "--processes", 2, "--out", tmp_path)
+    records = ProfileStore.in_dir(tmp_path).read()
+    assert out["measured"] == len(records) > 0 and {r["processes"] for r in records} == {2}  # one writer
+    assert_one_line_error(dflop("profile", "model", "--model", "tiny-vit", "--device", "cuda", "--processes", 2,
+                                "--out", tmp_path / "gpu"), "--processes 2: lock-step processes share one device only on cpu")
+    from dflop.errors import DflopError
+    from dflop.profile.profiler import _lock_step
+
+    # a twin that cannot start (an unknown model) breaks the barrier instead of leaving this process waiting
+    with pytest.raises(DflopError, match=r"a lock-step profiling process stopped \(exit code 1\).*kept in"):
+        with _lock_step(2, "no-such-model", str(tmp_path), {"device": "cpu", "dtype": None, "grid": "quick",
+                                                           "llm": None}, (1,), [0], 0, 1) as barrier:
+            barrier.wait(120)
+
+
 def test_killed_run_resumes_with_only_what_is_missing(tmp_path):
     # Many repeats make each of the quick grid's 10 records slow enough to kill between them.
     store = tmp_path / "profile.jsonl"

@@ -40,6 +40,29 @@ def test_metrics_by_hand():
     assert m.peak_memory_gib[0] == pytest.approx(3.0)
 
 
+def test_an_optimizer_step_after_the_graph_is_busy_but_outside_the_bubble():
+    doc = hand_trace()  # compute until 8 ms, the step ends at 10 ms: an optimizer step 8-9 ms on rank 0
+    doc["traceEvents"].append({"ph": "X", "name": "OPTIMIZER", "cat": "optimizer", "pid": 0, "tid": 0,
+                               "ts": 8000, "dur": 1000})
+    m = metrics(doc)
+    assert m.bubble_fraction == pytest.approx(1 - (4 * 1 + 4 * 2) / (3 * 8))  # as without it, never negative
+    assert m.idle_fraction == pytest.approx(1 - (5 * 1 + 4 * 2) / (3 * 10))
+
+
+def test_idle_by_module_says_which_module_waits():
+    # colocated (no encoder worker): rank 0 runs the encoder too; busy 4 of 10 ms on 1 GPU, rank 1 4 of 10 on 2
+    m = metrics(hand_trace())
+    assert m.idle_by_module == {"llm+encoder": pytest.approx(0.6), "llm": pytest.approx(0.6)}
+    doc = hand_trace()
+    doc["otherData"]["workers"][0]["module"] = "encoder"  # disaggregated: the encoder has its own GPU
+    doc["traceEvents"].append({"ph": "X", "name": "0F1", "cat": "F", "pid": 0, "tid": 0, "ts": 8000, "dur": 1000})
+    m = metrics(doc)
+    assert m.idle_by_module == {"encoder": pytest.approx(0.5), "llm": pytest.approx(0.6)}
+    gpus = 3
+    assert sum(v * (1 if k == "encoder" else 2) for k, v in m.idle_by_module.items()) / gpus == pytest.approx(
+        m.idle_fraction)
+
+
 def test_chrome_format_and_round_trip(tmp_path):
     doc = hand_trace()
     path = save_trace(doc, tmp_path / "t.json")

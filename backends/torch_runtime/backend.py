@@ -30,7 +30,7 @@ from dflop.errors import DflopError
 from dflop.program.steps import StepRunner
 from dflop.specs.execution import DType
 from dflop.specs.plan import Plan
-from dflop.trace.chrome import COMPUTE, TraceBuilder
+from dflop.trace.chrome import COMPUTE, OPTIMIZER, TraceBuilder
 from dflop.trace.metrics import metrics
 from dflop.trace.record import record_step, worker_records
 
@@ -120,7 +120,7 @@ class TorchBackend:
             record_step(trace, graph, start, end, step=i, offset_ns=offset, costs=costs)
             for w, lead in leads.items():
                 a, b = lead.steps[i - first]["optimizer"]
-                trace.op(w, COMPUTE, "OPTIMIZER", "optimizer", a + offset, b + offset, {"step": i})
+                trace.op(w, COMPUTE, "OPTIMIZER", OPTIMIZER, a + offset, b + offset, {"step": i})
             step_ns = max(r.steps[i - first]["end"] for r in results.values())
             compute_end = int(max(end[k] for k in graph.compute_nodes()))
             trace.step(i, offset, offset + compute_end, offset + step_ns, samples=len(steps[i].batch))

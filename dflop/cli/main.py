@@ -178,10 +178,13 @@ def _data_profile_text(r: dict[str, Any]) -> str:
               help="Shapes to measure (default: cpu or gpu by device).")
 @click.option("--repeats", type=click.IntRange(min=1), default=None, help="Timed repeats per shape (median kept).")
 @click.option("--llm", "pair_llm", default=None, help="For an encoder: the LLM its projector maps into.")
+@click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Measure while this many processes run the same shapes in lock-step (cpu): the way the "
+                   "torch backend's ranks share the machine.")
 @click.option("--out", type=Output(folder=True), required=True, help="Profile store folder.")
 @json_option
 def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[int, ...], grid: str | None,
-                  repeats: int | None, pair_llm: str | None, out: Path, as_json: bool) -> None:
+                  repeats: int | None, pair_llm: str | None, processes: int, out: Path, as_json: bool) -> None:
     """Measure one block's forward/backward time and memory over a grid of shapes."""
     from dflop.cli.progress import progress_bar
     from dflop.cost.profiled import holdout_error
@@ -189,12 +192,13 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
     from dflop.profile.profiler import check_request
     from dflop.profile.profiler import profile_model as run_profile
 
-    check_request(model_name, out, device=device, dtype=dtype, grid=grid, llm=pair_llm)  # before the estimate
+    check_request(model_name, out, device=device, dtype=dtype, grid=grid, llm=pair_llm,
+                  processes=processes)  # before the estimate
     if device == "cpu":
         _warn_cpu_profile(model_name, grid, tps or (1,), repeats, pair_llm)
     with progress_bar(f"profiling {model_name}", "shapes") as progress:
         report = run_profile(model_name, out, device=device, dtype=dtype, tps=tps or (1,), grid=grid,
-                             llm=pair_llm, repeats=repeats, progress=progress)
+                             llm=pair_llm, repeats=repeats, processes=processes, progress=progress)
     records = [r for r in ProfileStore(report.store).read(log) if r["model"] == model_name.strip().lower()]
     data = {"store": str(report.store), "measured": report.measured, "reused": report.reused,
             "records": len(records), "holdout_error": holdout_error(records)}
@@ -228,6 +232,16 @@ ERROR_HELP = ("Per-sample prediction error (lognormal sigma) the speedups are al
 
 def _pct(x: float | None) -> str:
     return f"{x:.1%}" if x is not None else "n/a"
+
+
+MODULE_GROUPS = {"encoder": "encoder", "llm": "LLM", "llm+encoder": "LLM stage 0 + encoder"}
+
+
+def _idle(r: dict[str, Any]) -> str:
+    """``idle 12.0% (encoder 30.1%, LLM 5.2%)``: which module's GPUs wait, when there is more than one."""
+    groups = r.get("idle_by_module") or {}
+    parts = ", ".join(f"{MODULE_GROUPS.get(g, g)} {v:.1%}" for g, v in sorted(groups.items()))
+    return f"idle {_pct(r['idle_fraction'])}" + (f" ({parts})" if len(groups) > 1 else "")
 
 
 def baseline_lines(r: dict[str, Any]) -> list[str]:
@@ -381,7 +395,7 @@ def simulate(config: Path | None, plan_path: Path | None, gpus: int | None, node
             f"  {r['steps']} steps, step {r['step_time_s']['mean']:.3f} s (p50 {r['step_time_s']['p50']:.3f}), "
             f"{r['throughput_samples_per_s']:.1f} samples/s",
             f"  MFU {_pct(r['mfu'])}, HFU {_pct(r['hfu'])}; bubbles {r['bubble_fraction']:.1%}, "
-            f"idle {r['idle_fraction']:.1%}, peak memory {r['peak_memory_gib']:.1f} GiB, "
+            f"{_idle(r)}, peak memory {r['peak_memory_gib']:.1f} GiB, "
             f"{r['oom_events']} out-of-memory events",
             *[f"warning: {w}" for w in r["warnings"]],
             f"trace -> {r['artifacts']['trace']}", f"timeline -> {r['artifacts']['timeline']}"])
@@ -436,12 +450,10 @@ def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | N
             f"{r['model']} on {r['gpus']} GPUs, {r['data']}, global batch {r['global_batch']}, {r['steps']} steps",
             f"dflop     {r['plan']['describe']} ({r['batching']} bins)",
             f"          step {r['step_time_s']['mean']:.3f} s, {r['throughput_samples_per_s']:.1f} samples/s, "
-            f"MFU {_pct(r['mfu'])}, HFU {_pct(r['hfu'])}, bubbles {r['bubble_fraction']:.1%}, "
-            f"idle {r['idle_fraction']:.1%}",
+            f"MFU {_pct(r['mfu'])}, HFU {_pct(r['hfu'])}, bubbles {r['bubble_fraction']:.1%}, {_idle(r)}",
             f"baseline  {b['space']} / {b['batching']}: {b['plan']['describe']}",
             f"          step {b['step_time_s']['mean']:.3f} s, {b['throughput_samples_per_s']:.1f} samples/s, "
-            f"MFU {_pct(b['mfu'])}, HFU {_pct(b['hfu'])}, bubbles {b['bubble_fraction']:.1%}, "
-            f"idle {b['idle_fraction']:.1%}",
+            f"MFU {_pct(b['mfu'])}, HFU {_pct(b['hfu'])}, bubbles {b['bubble_fraction']:.1%}, {_idle(b)}",
             f"speedup   {r['speedup']:.2f}x simulated" + (f" = plan gain {d['plan_gain']:.2f}x x balance gain "
                                                        f"{d['balance_gain']:.2f}x" if d else "")
             + f" (the optimizer expected {r['expected']['speedup']:.2f}x)"]
@@ -462,8 +474,8 @@ def _torch_human(r: dict[str, Any]) -> str:
                 f"          measured step {x['step_time_s']['mean']:.3f} s = step graph {x['graph_time_s']['mean']:.3f} s "
                 f"+ optimizer {x['optimizer_time_s']['mean']:.3f} s; predicted graph "
                 f"{x['predicted_step_time_s']['mean']:.3f} s ({x['prediction_error']:+.1%} after step 1)",
-                f"          {x['throughput_samples_per_s']:.1f} samples/s, bubbles {x['bubble_fraction']:.1%}, "
-                f"loss {x['losses'][0]:.4f} -> {x['losses'][-1]:.4f}"]
+                f"          {x['throughput_samples_per_s']:.1f} samples/s, MFU {_pct(x['mfu'])}, bubbles "
+                f"{x['bubble_fraction']:.1%}, {_idle(x)}, loss {x['losses'][0]:.4f} -> {x['losses'][-1]:.4f}"]
 
     lines = [f"{r['model']} on {r['gpus']} {r['device']} processes (torch), {r['data']}, global batch "
              f"{r['global_batch']}, {r['steps']} steps"] + line("dflop", r)

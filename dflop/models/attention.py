@@ -5,7 +5,11 @@ attention must then be block-diagonal. With flash-attn installed and a CUDA
 half-precision tensor, its varlen kernel does exactly that from the
 cumulative sequence lengths; otherwise each sample goes through PyTorch's
 ``scaled_dot_product_attention`` on its own slice (same result, exact, no
-T x T mask in memory).
+T x T mask in memory). The inputs are split and the per-sample outputs
+concatenated, never sliced or written into slices one by one: autograd's
+backward of a slice (or a slice assignment) materialises a gradient as large
+as the whole sequence, which made the backward of n packed samples cost n x T
+copies (a 16384-token block of 256 samples took 2.4 s instead of 0.6 s).
 """
 
 from __future__ import annotations
@@ -33,16 +37,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             raise RuntimeError("flash-attn is not installed (pip install 'dflop[gpu]')")
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, longest, longest, causal=causal)
-    out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     groups = q.shape[1] // k.shape[1]
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
-            continue
-        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # (H, L, D)
-        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal,
-                                                        enable_gqa=groups > 1).transpose(0, 1)
-    return out
+    parts = [F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                                            is_causal=causal, enable_gqa=groups > 1).transpose(0, 1)
+             for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths)) if len(qs)]
+    return torch.cat(parts) if parts else torch.empty_like(q)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,

@@ -11,6 +11,13 @@ allocator's peak during forward above what was allocated before; on CPU, the
 bytes of the distinct tensors autograd keeps for backward, parameters
 excluded: the activation memory one microbatch holds until its backward.
 
+Measured "the way the backend runs": with ``processes`` > 1, as many processes
+measure the very same shapes in lock-step (a barrier before every shape) and
+only the first one records, so every figure carries the slowdown of ranks that
+share the machine's cores, caches and memory bandwidth, as the backend's
+one-process-per-core ranks do (on this 2-core VM, two busy ranks each ran up to
+40% slower than one alone). Each record says how many processes measured it.
+
 Every record is appended to the store as soon as it is measured; shapes
 already in the store are skipped, so an interrupted run resumes where it
 stopped. A few shapes between grid points are measured too and marked
@@ -21,7 +28,9 @@ on them.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import statistics
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -252,7 +261,10 @@ class Request:
 
 
 def check_request(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
-                  grid: str | None = None, llm: str | None = None) -> Request:
+                  grid: str | None = None, llm: str | None = None, processes: int = 1) -> Request:
+    if processes > 1 and device != "cpu":
+        raise DflopError(f"--processes {processes}: lock-step processes share one device only on cpu; on cuda "
+                         "every rank has its own GPU (use --processes 1)")
     kind, spec = resolve(name)
     pair = None
     if kind == "encoder":
@@ -270,31 +282,94 @@ def check_request(name: str, out: str | Path, *, device: str = "cpu", dtype: str
                    store)
 
 
+BARRIER_TIMEOUT_S = 1800.0
+"""How long lock-step processes wait for each other at one shape before giving up (a twin died)."""
+
+
+def _todo(r: Request, tps: tuple[int, ...], device: str) -> list:
+    return [(tp, job) for tp in tps for job in jobs(r.kind, r.spec, r.pair, tp, r.grid, r.torch_dtype, device)]
+
+
+def _twin(name: str, out: str, options: dict[str, Any], tps: tuple[int, ...], indices: list[int],
+          warmup: int, repeats: int, barrier: Any) -> None:
+    """A process that measures the same shapes as the recording one, at the same time, and keeps nothing."""
+    r = check_request(name, out, **options)
+    todo = _todo(r, tps, options["device"])
+    torch.manual_seed(0)
+    for i in indices:
+        _, (_, _, _, make_module, make_inputs) = todo[i]
+        barrier.wait(BARRIER_TIMEOUT_S)
+        measure(make_module(), make_inputs, options["device"], warmup, repeats)
+
+
 def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
                   tps: tuple[int, ...] = (1,), grid: str | None = None, llm: str | None = None,
-                  warmup: int = WARMUP, repeats: int | None = None,
+                  warmup: int = WARMUP, repeats: int | None = None, processes: int = 1,
                   progress: Progress | None = None) -> ProfileReport:
-    r = check_request(name, out, device=device, dtype=dtype, grid=grid, llm=llm)
+    options = {"device": device, "dtype": dtype, "grid": grid, "llm": llm}
+    r = check_request(name, out, processes=processes, **options)
     repeats = repeats or REPEATS[device]
     done = {record_key(rec) for rec in r.store.read()}
-    todo = [(tp, job) for tp in tps for job in jobs(r.kind, r.spec, r.pair, tp, r.grid, r.torch_dtype, device)]
+    todo = _todo(r, tps, device)
     where = device_name(device)
     base = {"device": where, "module": r.kind, "model": r.spec.name, "dtype": r.dtype}
-    report = ProfileReport(0, 0, r.store.path)
-    torch.manual_seed(0)
-    for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(todo):
-        record = {**base, "tp": tp, "phase": phase, "shape": shape}
-        if progress is not None:
-            progress(f"{r.spec.name} tp{tp} {phase} {shape}", index, len(todo))
-        if record_key(record) in done:
-            report.reused += 1
-            continue
-        module = make_module()
-        figures = measure(module, make_inputs, device, warmup, repeats)
-        r.store.append({**record, **figures, "holdout": holdout, "repeats": repeats,
-                      "torch": torch.__version__,
-                      "threads": torch.get_num_threads(), "measured_at": datetime.now(timezone.utc).isoformat()})
-        report.measured += 1
+    records = [{**base, "tp": tp, "phase": phase, "shape": shape} for tp, (phase, shape, *_) in todo]
+    pending = [i for i, rec in enumerate(records) if record_key(rec) not in done]
+    report = ProfileReport(0, len(todo) - len(pending), r.store.path)
+    with _lock_step(processes, name, str(out), options, tps, pending, warmup, repeats) as barrier:
+        torch.manual_seed(0)
+        for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(todo):
+            if progress is not None:
+                progress(f"{r.spec.name} tp{tp} {phase} {shape}", index, len(todo))
+            if index not in pending:
+                continue
+            module = make_module()
+            if barrier is not None:
+                barrier.wait(BARRIER_TIMEOUT_S)
+            figures = measure(module, make_inputs, device, warmup, repeats)
+            r.store.append({**records[index], **figures, "holdout": holdout, "repeats": repeats,
+                            "torch": torch.__version__, "threads": torch.get_num_threads(), "processes": processes,
+                            "measured_at": datetime.now(timezone.utc).isoformat()})
+            report.measured += 1
     if progress is not None:
         progress(f"{r.spec.name} done", len(todo), len(todo))
     return report
+
+
+@contextmanager
+def _lock_step(processes: int, name: str, out: str, options: dict[str, Any], tps: tuple[int, ...],
+               pending: list[int], warmup: int, repeats: int) -> Iterator[Any]:
+    """``processes - 1`` twins measuring ``pending`` alongside this process, and the barrier they share
+    (None when measuring alone). A twin that dies breaks the barrier: the run stops with an error, and
+    what was recorded stays in the store."""
+    if processes <= 1 or not pending:
+        yield None
+        return
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(processes)
+    twins = [ctx.Process(target=_twin, args=(name, out, options, tps, pending, warmup, repeats, barrier), daemon=True)
+             for _ in range(processes - 1)]
+    for t in twins:
+        t.start()
+    done = threading.Event()
+    threading.Thread(target=_abort_when_a_twin_dies, args=(twins, barrier, done), daemon=True).start()
+    try:
+        yield barrier
+    except threading.BrokenBarrierError:
+        codes = [t.exitcode for t in twins if t.exitcode not in (None, 0)]
+        raise DflopError(f"--processes {processes}: a lock-step profiling process stopped"
+                         + (f" (exit code {codes[0]})" if codes else "") + "; the shapes measured so far are kept "
+                         f"in {out}") from None
+    finally:
+        done.set()
+        for t in twins:
+            t.join(timeout=5)
+            if t.is_alive():
+                t.kill()
+
+
+def _abort_when_a_twin_dies(twins: list, barrier: Any, done: threading.Event) -> None:
+    while not done.wait(0.2):
+        if any(t.exitcode not in (None, 0) for t in twins):
+            barrier.abort()
+            return

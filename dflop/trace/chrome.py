@@ -20,6 +20,8 @@ from dflop.specs.loading import limit, load_json, number_problem, shown
 
 FORMAT = "dflop.trace/1"
 COMPUTE, COMM = 0, 1
+OPTIMIZER = "optimizer"
+"""Category of a measured optimizer step: compute after the step graph (busy, but not in the bubble's span)."""
 
 
 @dataclass

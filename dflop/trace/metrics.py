@@ -6,8 +6,13 @@ Definitions (GPU-weighted: a worker of 4 GPUs counts 4 times):
 - busy time of a rank: the sum of its compute events;
 - bubble fraction: idle share of GPU time between a step's start and its last
   compute op (pipeline bubbles, and waiting for slower replicas or modules);
+  work after that op (a measured optimizer step, category ``optimizer``) is
+  outside this span and not counted in it;
   for one pipeline with equal stages this is the textbook (p-1)/(m+p-1);
 - idle fraction: idle share over the whole step (the all-reduce tail included);
+- idle by module: the idle fraction of each module's GPUs ("encoder", "llm"; in a
+  colocated plan the LLM's first stage, which also runs the encoder, is
+  "llm+encoder"), so a text report can say which module waits;
 - utilisation: 1 - idle fraction; MFU: model FLOPs / (GPUs x peak x time);
   HFU: the same with the FLOPs executed (recomputation counted; ``hw_flops``).
 
@@ -24,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from dflop.trace.chrome import COMPUTE
+from dflop.trace.chrome import COMPUTE, OPTIMIZER
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class TraceMetrics:
     idle_s: list[float]
     bubble_fraction: float | None
     idle_fraction: float | None
+    idle_by_module: dict[str, float]
     utilisation: float | None
     mfu: float | None
     hfu: float | None
@@ -54,6 +60,7 @@ class TraceMetrics:
         return {"steps": self.steps, "step_time_s": {"mean": self.step_time_mean, "p50": self.step_time_p50,
                                                      "each": self.step_time_s},
                 "bubble_fraction": self.bubble_fraction, "idle_fraction": self.idle_fraction,
+                "idle_by_module": self.idle_by_module,
                 "utilisation": self.utilisation, "mfu": self.mfu, "hfu": self.hfu,
                 "peak_memory_gib": max(self.peak_memory_gib, default=0.0), "oom": self.oom}
 
@@ -70,10 +77,14 @@ def metrics(doc: dict[str, Any]) -> TraceMetrics:
     n = len(pids)
     index = {pid: i for i, pid in enumerate(pids)}
     busy = np.zeros(n)
+    after_graph = 0.0
+    """GPU-weighted busy time of work that follows the step graph (the optimizer step)."""
     step_times, compute_spans = [], []
     flops = hw_flops = 0.0
     for e in compute:
         busy[index[e["pid"]]] += e["dur"]
+        if e.get("cat") == OPTIMIZER:
+            after_graph += e["dur"] * weight[e["pid"]]
         args = e.get("args", {})
         flops += args.get("flops", 0.0) * weight[e["pid"]]
         hw_flops += args.get("hw_flops", args.get("flops", 0.0)) * weight[e["pid"]]
@@ -95,14 +106,37 @@ def metrics(doc: dict[str, Any]) -> TraceMetrics:
         step_time_s=step_times,
         busy_s=(busy / 1e6).tolist(),
         idle_s=(total_step - busy / 1e6).tolist(),
-        bubble_fraction=1.0 - total_busy / (gpus * total_compute) if total_compute > 0 else None,
+        bubble_fraction=1.0 - (total_busy - after_graph / 1e6) / (gpus * total_compute) if total_compute > 0 else None,
         idle_fraction=idle_fraction,
+        idle_by_module=_idle_by_module(workers, pids, busy, weight, total_step),
         utilisation=None if idle_fraction is None else 1.0 - idle_fraction,
         mfu=flops / (gpus * peak_flops * total_step) if peak_flops and total_step > 0 else None,
         hfu=hw_flops / (gpus * peak_flops * total_step) if peak_flops and total_step > 0 else None,
         peak_memory_gib=peaks,
         oom=other.get("oom", []),
     )
+
+
+def module_group(workers: list[dict[str, Any]], pid: int) -> str:
+    """The module a worker's GPUs serve: its own, or "llm+encoder" for a colocated first LLM stage."""
+    if pid >= len(workers):
+        return "llm"
+    module = workers[pid].get("module", "llm")
+    colocated = not any(w.get("module") == "encoder" for w in workers)
+    return "llm+encoder" if colocated and module == "llm" and workers[pid].get("rank") == 0 else module
+
+
+def _idle_by_module(workers: list[dict[str, Any]], pids: list[int], busy: np.ndarray, weight: dict[int, int],
+                    total_step: float) -> dict[str, float]:
+    if total_step <= 0:
+        return {}
+    busy_us: dict[str, float] = {}
+    gpus: dict[str, int] = {}
+    for i, pid in enumerate(pids):
+        group = module_group(workers, pid)
+        busy_us[group] = busy_us.get(group, 0.0) + busy[i] * weight[pid]
+        gpus[group] = gpus.get(group, 0) + weight[pid]
+    return {g: 1.0 - busy_us[g] / 1e6 / (gpus[g] * total_step) for g in busy_us}
 
 
 def _whole(events: list[dict[str, Any]]) -> list[dict[str, float]]:
