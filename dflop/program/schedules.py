@@ -190,10 +190,6 @@ def splits_backward(name: str) -> bool:
     return schedule_kind(name).splits_backward
 
 
-def supports_virtual_stages(name: str) -> bool:
-    return schedule_kind(name).stages_per_rank is None
-
-
 def placement(name: str) -> StagePlacement:
     """How the schedule places its stages on ranks (loop, or V for ZBVZeroBubble and DualPipeV)."""
     return schedule_kind(name).placement
