@@ -153,7 +153,7 @@ def quick(problem: PartitionProblem, start: np.ndarray | None = None) -> Partiti
     return finish(problem, assignment, "quick", time.perf_counter() - began, searched=True)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=1024)
 def inflight_by_stage(schedule: str, stages: int, microbatches: int,
                       virtual: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Per rank, the (stage, microbatch) activations it holds per stage it holds (in stage order)
