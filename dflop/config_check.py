@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dflop.cost.store import FILENAME
 from dflop.errors import DflopError, PlanError, SpecError
-from dflop.program.schedules import canonical, supports_virtual_stages
+from dflop.program.schedules import shape_problem
 from dflop.specs.hardware import ClusterSpec
 from dflop.specs.loading import at, child
 from dflop.specs.plan import Plan
@@ -44,12 +44,12 @@ def check_run_config(config: RunConfig, source: str) -> None:
 
 def check_plan(plan: Plan, where: str, config: RunConfig, cluster: ClusterSpec | None = None,
                global_batch: int | None = None) -> None:
-    """The plan names a known pipeline schedule and fits the model, the cluster and the global
-    batch (the config's unless given); ``where`` locates the plan (``"p.yaml:"``)."""
+    """The plan names a known pipeline schedule that runs its pipeline ranks, microbatches and
+    stages per rank, and fits the model, the cluster and the global batch (the config's unless
+    given); ``where`` locates the plan (``"p.yaml:"``)."""
     try:
-        canonical(plan.schedule)
-        if plan.virtual_stages > 1 and not supports_virtual_stages(plan.schedule):
-            raise DflopError(f"{plan.schedule} has one stage per rank; virtual_stages must be 1")
+        if problem := shape_problem(plan.schedule, plan.pipeline_ranks, plan.microbatches, plan.virtual_stages):
+            raise DflopError(problem)
     except DflopError as exc:
         raise SpecError(f"{at(child(where, 'schedule'))}: {exc}") from None
     try:

@@ -458,6 +458,10 @@ def test_a_saved_arm_reads_back_as_it_was_written(tmp_path):
     ({"encoder": {}, "llm": {"tp": 3}, "microbatches": 1}, (), "does not divide the 28 attention heads"),
     ({"encoder": {}, "llm": {"dp": 64}, "microbatches": 8}, ("--global-batch", 16), "512 bins, more than the 16"),
     ({"encoder": {}, "llm": {}, "microbatches": 1, "schedule": "2F2B"}, (), "schedule: unknown pipeline schedule"),
+    ({"encoder": {}, "llm": {"pp": 2}, "placement": "colocated", "microbatches": 2, "schedule": "DualPipeV",
+      "virtual_stages": 2}, (), "schedule: DualPipeV needs at least as many microbatches as stages"),
+    ({"encoder": {}, "llm": {"pp": 2}, "placement": "colocated", "microbatches": 4, "schedule": "ZBVZeroBubble"}, (),
+     "schedule: ZBVZeroBubble runs exactly 2 stages per rank"),
     ({"encoder": {}, "llm": {}, "microbatches": 1}, ("--global-batch", 10**12), "Invalid value for '--global-batch'"),
 ])
 def test_export_refuses_a_plan_that_cannot_run(tmp_path, plan, extra, message):

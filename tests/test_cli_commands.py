@@ -106,6 +106,10 @@ def test_simulate_takes_a_v_schedule_by_any_case_with_the_stages_it_needs(tmp_pa
     back = dflop_json("simulate", "--config", config, "--plan", plan, "--schedule", "gpipe", "--steps", 1,
                       "--out", tmp_path / "g")
     assert (back["plan"]["schedule"], back["plan"]["virtual_stages"]) == ("GPipe", 1)
+    v_plan = tmp_path / "v.yaml"  # as the optimizer writes a V plan: two stages per rank
+    v_plan.write_text(plan.read_text().replace("1F1B", "ZBVZeroBubble\nvirtual_stages: 2"))
+    sim = dflop_json("simulate", "--config", config, "--plan", v_plan, "--steps", 1, "--out", tmp_path / "v")
+    assert (sim["plan"]["schedule"], sim["plan"]["virtual_stages"]) == ("ZBVZeroBubble", 2)
 
 
 def test_simulate_says_which_module_idles(tmp_path):

@@ -33,6 +33,7 @@ from dflop.errors import InfeasibleError
 from dflop.program.actions import Kind
 from dflop.program.evaluate import evaluate, summarize
 from dflop.program.steps import StepRunner
+from dflop.program.template import plan_groups
 from dflop.schedule.batching import Batching, assign, synchronised
 from dflop.schedule.heuristics import lpt
 from dflop.schedule.improve import improve
@@ -40,7 +41,7 @@ from dflop.schedule.problem import Partition, PartitionProblem, finish
 from dflop.schedule.step import plan_costs, schedule_batch
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
-from dflop.specs.plan import Plan
+from dflop.specs.plan import Module, Plan
 from dflop.workload.sample import SampleTable
 
 QUICK_GAP = 1e-3
@@ -152,22 +153,39 @@ def quick(problem: PartitionProblem, start: np.ndarray | None = None) -> Partiti
     return finish(problem, assignment, "quick", time.perf_counter() - began, searched=True)
 
 
-@lru_cache(maxsize=256)
-def inflight(schedule: str, stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
-    """Most (stage, microbatch) activations each rank holds at once, from a forward until its B or
-    W, over all the stages the rank holds (both arms of a V); an overlapped F&B step counts its
-    forward before its backward frees anything, as both are live together."""
+@lru_cache(maxsize=1024)
+def inflight_by_stage(schedule: str, stages: int, microbatches: int,
+                      virtual: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per rank, the (stage, microbatch) activations it holds per stage it holds (in stage order)
+    at every moment that may be its memory peak: after each forward, those that no other moment
+    matches or exceeds on every stage. An activation is held from its forward until its B or W; an
+    overlapped F&B step counts its forward before its backward frees anything, as both are live
+    together. With one stage per rank this is the one peak count."""
     from dflop.program.schedules import build
 
     program = build(schedule, stages // virtual, microbatches, virtual)
     out = []
     for rank in range(program.num_ranks):
-        held = peak = 0
+        index = {s: k for k, s in enumerate(program.stages_of(rank))}
+        held, moments = [0] * len(index), set()
         for a in program.parts(rank):
-            held += 1 if a.kind is Kind.F else (-1 if a.kind in (Kind.B, Kind.W) else 0)
-            peak = max(peak, held)
-        out.append(peak)
+            if a.kind is Kind.F:
+                held[index[a.stage]] += 1
+                moments.add(tuple(held))
+            elif a.kind in (Kind.B, Kind.W):
+                held[index[a.stage]] -= 1
+        kept: list[tuple[int, ...]] = []  # a moment exceeded on every stage has a smaller sum
+        for m in sorted(moments, key=sum, reverse=True):
+            if not any(all(x >= y for x, y in zip(k, m)) for k in kept):
+                kept.append(m)
+        out.append(tuple(kept))
     return tuple(out)
+
+
+def inflight(schedule: str, stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    """Most (stage, microbatch) activations each rank holds at once, over all the stages it holds
+    (both arms of a V)."""
+    return tuple(max(sum(m) for m in rank) for rank in inflight_by_stage(schedule, stages, microbatches, virtual))
 
 
 class Evaluator:
@@ -234,19 +252,17 @@ class Evaluator:
         return self._whole[key]
 
     def lower_bound(self, plan: Plan, n: int) -> float:
-        model = self.p.model
-        llm_layers, rc = plan.stage_layers("llm", model), plan.recompute
-        per_stage = [self._whole_batch(StageSpec.of("llm", llm_layers, s, plan.llm.tp, rc), n)
-                     for s in range(len(llm_layers))]
-        if plan.colocated:
-            enc = StageSpec("encoder", model.encoder.layers, plan.llm.tp, first=True, last=True, recompute=rc)
-            per_stage[0] = per_stage[0] + self._whole_batch(enc, n)
-        ranks = [sum(per_stage[s] for s in range(r, len(per_stage), plan.llm.pp)) / plan.llm.dp
-                 for r in range(plan.llm.pp)]
-        if not plan.colocated:
-            enc_layers = plan.stage_layers("encoder", model)
-            ranks += [self._whole_batch(StageSpec.of("encoder", enc_layers, s, plan.encoder.tp, rc), n)
-                      / plan.encoder.dp for s in range(len(enc_layers))]
+        """Mean over the first n batches of the busiest pipeline rank's share of the whole batch
+        taken as one microbatch, over the stages its schedule places on it."""
+        model, rc = self.p.model, plan.recompute
+        ranks = []
+        for g in plan_groups(plan):
+            layers = plan.stage_layers(g.module, model)
+            work = sum(self._whole_batch(StageSpec.of(g.module.value, layers, s, g.tp, rc), n) for s in g.stages)
+            if g.module is Module.LLM and plan.colocated and 0 in g.stages:
+                work = work + self._whole_batch(StageSpec("encoder", model.encoder.layers, g.tp, first=True,
+                                                          last=True, recompute=rc), n)
+            ranks.append(work / g.replicas)
         return float(np.mean(np.max(np.stack(ranks), axis=0)))
 
     # ---- evaluation -----------------------------------------------------------------------------

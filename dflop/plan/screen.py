@@ -19,10 +19,12 @@ import numpy as np
 from dflop.cost.comm import p2p_time
 from dflop.cost.overlap import bucket_lag
 from dflop.cost.protocol import StageSpec, WorkShape
-from dflop.plan.evaluate import Evaluator, inflight
+from dflop.plan.evaluate import Evaluator, inflight_by_stage
 from dflop.program.actions import Kind
 from dflop.program.costing import group_state
 from dflop.program.dpcomm import GroupComm, fsdp_op, group_comm
+from dflop.program.schedules import canonical, splits_backward
+from dflop.program.template import plan_groups
 from dflop.schedule.batching import Batching
 from dflop.specs.plan import Plan
 
@@ -45,15 +47,21 @@ def dp_group(plan: Plan, module: str, stage: int) -> list[int]:
     return [base + mp.tp * (r + mp.dp * stage) for r in range(mp.dp)]
 
 
-def closed_form(plan: Plan, virtual: int, rank_time: list[float], rank_fi: list[float],
+def closed_form(plan: Plan, virtual: int, rank_time: list[float], rank_f: list[float], rank_i: list[float],
                 rank_w: list[float]) -> float:
-    """The schedule's step time with unequal ranks (per microbatch: ``rank_time`` in all, forward +
-    input gradients ``rank_fi``, weight gradients ``rank_w``)."""
-    m, bottleneck = plan.microbatches, max(rank_time)
+    """The schedule's step time with unequal ranks (per microbatch: ``rank_time`` in all, forward
+    ``rank_f``, input gradients ``rank_i``, weight gradients ``rank_w``): the closed forms of
+    ``benchmarks/bench_schedules.py``, a V rank's stage taking half its rank's time."""
+    m, bottleneck, name = plan.microbatches, max(rank_time), canonical(plan.schedule)
+    fill = list(zip(rank_f, rank_i, rank_w))[:-1]  # every rank but the last
+    if name == "ZBVZeroBubble":  # only the fill idles
+        return m * bottleneck + sum(f for f, _, _ in fill) / 2
+    if name == "DualPipeV":  # ZB1P's with one stage's times, plus the forward of each pair held
+        return m * bottleneck + sum(2 * f + i - w for f, i, w in fill) / 2
     if virtual > 1:
         return (m + (plan.llm.pp - 1) / virtual) * bottleneck
-    if plan.schedule in ("ZBH1", "InterleavedZeroBubble"):
-        return m * bottleneck + sum(a - b for a, b in zip(rank_fi[:-1], rank_w[:-1]))
+    if splits_backward(name):
+        return m * bottleneck + sum(f + i - w for f, i, w in fill)
     return (m - 1) * bottleneck + sum(rank_time)
 
 
@@ -107,7 +115,7 @@ class Screener:
         chunk_cap = min(tiles_cap * plan.llm.dp / plan.encoder.dp + ev.max_tiles, tiles_cap * plan.llm.dp)
         memory, where = 0.0, ""
         for module, local, specs, state, held in ranks:
-            act = transient = 0.0
+            acts, transient = [], 0.0
             for spec in specs:
                 c = self._stage(spec, (1, chunk_cap, 0, 0) if module == "encoder" else cap)
                 a, t = c[3], c[4]
@@ -116,55 +124,54 @@ class Screener:
                                     recompute=plan.recompute)
                     e = self._stage(enc, (per_bin, tiles_cap, 0, 0))
                     a, t = a + e[3], max(t, e[4])
-                act, transient = max(act, a), max(transient, t)
-            need = state + held * act + transient
+                acts.append(a)
+                transient = max(transient, t)
+            need = state + max(sum(n * a for n, a in zip(moment, acts)) for moment in held) + transient
             if need > memory:
                 memory, where = need, f"{module} pipeline rank {local}"
         return Screen(memory, where, bound, estimate)
 
     def _timing(self, plan: Plan) -> tuple[float, float, list]:
-        """(estimate, bound, per rank: module, local rank, stage specs, state bytes, microbatches held)."""
+        """(estimate, bound, per rank: module, local rank, stage specs, state bytes, activations held
+        per stage at the moments that may peak)."""
         p, ev = self.p, self.ev
         model, hw = p.model, p.cluster.hardware
         layers = {"encoder": plan.stage_layers("encoder", model), "llm": plan.stage_layers("llm", model)}
         colocated = plan.colocated
-        enc_stages = 0 if colocated else plan.encoder.pp
+        groups = plan_groups(plan)
         virtual = plan.virtual_stages if colocated else 1
-        ranks = enc_stages + plan.llm.pp
-        held = inflight(plan.schedule, ranks * virtual, plan.microbatches, virtual)
+        held = inflight_by_stage(plan.schedule, len(groups) * virtual, plan.microbatches, virtual)
         per_bin = ev.pool.size / plan.bins
         avg_tokens = per_bin * ev.mean_tokens
         avg = (per_bin, per_bin * ev.mean_tiles, avg_tokens, avg_tokens * ev.mean_tokens)
         chunk_avg = ev.pool.size * ev.mean_tiles / (plan.encoder.dp * plan.microbatches)
-        rank_time, rank_fi, rank_w, out, parts = [], [], [], [], {}
-        for rank in range(ranks):
-            module = "encoder" if rank < enc_stages else "llm"
-            local = rank - (0 if module == "encoder" else enc_stages)
-            mp = plan.module(module)
-            stages = tuple(range(local, len(layers[module]), mp.pp)) if module == "llm" else (local,)
-            specs = [StageSpec.of(module, layers[module], s, mp.tp, plan.recompute) for s in stages]
+        rank_time, rank_f, rank_i, rank_w, out, parts = [], [], [], [], [], {}
+        for group in groups:
+            module, local, stages, tp = group.module.value, group.rank, group.stages, group.tp
+            specs = [StageSpec.of(module, layers[module], s, tp, plan.recompute) for s in stages]
             f = i = w = 0.0
             for spec in specs:
                 t = self._stage(spec, (1, chunk_avg, 0, 0) if module == "encoder" else avg)
                 if module == "llm":
                     parts["llm"] = t
                     if colocated and spec.first:
-                        enc = StageSpec("encoder", model.encoder.layers, mp.tp, first=True, last=True,
+                        enc = StageSpec("encoder", model.encoder.layers, tp, first=True, last=True,
                                         recompute=plan.recompute)
                         parts["encoder"] = self._stage(enc, (per_bin, avg[1], 0, 0))
                         t = tuple(x + y for x, y in zip(t, parts["encoder"]))
                 f, i, w = f + t[0], i + t[1], w + t[2]
             rank_time.append(f + i + w)
-            rank_fi.append(f + i)
+            rank_f.append(f)
+            rank_i.append(i)
             rank_w.append(w)
-            params, state = self._group_state(plan, layers, module, stages, mp.tp)
-            out.append((module, local, specs, state, held[rank]))
+            params, state = self._group_state(plan, layers, module, stages, tp)
+            out.append((module, local, specs, state, held[group.index]))
             comm = self._group_comm(plan, module, local, params)
             if comm is not None:
                 rank_time[-1] += self._exposed(plan, comm, parts, i + w) / plan.microbatches
-        estimate = closed_form(plan, virtual, rank_time, rank_fi, rank_w)
+        estimate = closed_form(plan, virtual, rank_time, rank_f, rank_i, rank_w)
         hidden = model.llm.hidden * p.training.activation_bytes * avg_tokens / plan.llm.tp
-        estimate += 2 * (ranks - 1) * float(p2p_time(hidden, hw.inter_node_bandwidth * plan.llm.tp,
+        estimate += 2 * (len(groups) - 1) * float(p2p_time(hidden, hw.inter_node_bandwidth * plan.llm.tp,
                                                       hw.inter_node_latency))
         shape = replace(plan, zero=1, hsdp=False, fp32_grads=False)  # the bound ignores memory options
         if shape not in self._bounds:

@@ -18,9 +18,14 @@ one pipeline rank always runs 1F1B with one virtual stage.
 - ``PYTORCH`` (FSDP2 / DeepSpeed, as torchtitan and LLaVA's trainer run them):
   one colocated stage, TP optional; DDP, ZeRO-2, FSDP (ZeRO-3) or HSDP.
 - ``DFLOP``: everything above, plus encoder and LLM planned independently on
-  separate GPUs, any layer split (balanced by cost), zero-bubble schedules,
-  ZeRO-1 everywhere and bf16 gradient buffers. Every space picks its
-  recomputation (none, selective, full) per plan.
+  separate GPUs, any layer split (balanced by cost), every schedule of torch's
+  that dflop generates (zero-bubble, LoopedBFS, and the V-shaped ZBVZeroBubble
+  and DualPipeV, whose rank 0 holds the first and the last stage) with the
+  microbatch counts its generator takes, ZeRO-1 everywhere and bf16 gradient
+  buffers. Every space picks its recomputation (none, selective, full) per plan.
+
+Schedules with several stages per rank (two: virtual stages in loops, or a V)
+need colocated placement.
 
 A space lists what it allows; ``variants`` drops the choices that can never be
 faster than another the same space allows (``prove_dominated`` says why), so
@@ -35,6 +40,7 @@ from typing import Callable, Iterator
 
 from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.plan.split import balanced_split
+from dflop.program.schedules import ScheduleKind, schedule_kind, shape_problem
 from dflop.specs.plan import ModulePlan, Placement, Plan, Recompute, even_split
 
 PP_OPTIONS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -66,21 +72,30 @@ class Space:
     name: str
     encoder: tuple[Encoder, ...]
     """Layouts besides colocated (the encoder in the first LLM stage, which every space allows)."""
-    schedules: tuple[str, ...]
+    schedules: tuple[ScheduleKind, ...]
+    """Each with the stages per rank it fixes, or 2 where it takes any number (virtual stages)."""
     layers: tuple[Layers, ...]
     zero: tuple[int, ...]
     hsdp: bool
     fp32_grads: tuple[bool, ...]
     max_pp: int = max(PP_OPTIONS)
     recompute: tuple[Recompute, ...] = tuple(Recompute)
+    whole_rounds: bool = False
+    """Several stages per rank only with microbatches in whole rounds of the pipeline ranks
+    (Megatron-LM's rule); otherwise as the schedule's generator allows (torch's rules)."""
+
+
+def _kinds(*names: str) -> tuple[ScheduleKind, ...]:
+    return tuple(schedule_kind(n) for n in names)
 
 
 DFLOP = Space("dflop", (Encoder.STAGE, Encoder.FREE),
-              ("1F1B", "ZBH1", "Interleaved1F1B", "InterleavedZeroBubble"),
+              _kinds("1F1B", "ZBH1", "Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS", "ZBVZeroBubble",
+                     "DualPipeV"),
               (Layers.EVEN, Layers.FIRST_LAST, Layers.BALANCED), (0, 1, 2, 3), True, (False, True))
-MEGATRON = Space("megatron", (Encoder.STAGE,), ("1F1B", "Interleaved1F1B"), (Layers.EVEN, Layers.FIRST_LAST),
-                 (0, 1), False, (True,))
-PYTORCH = Space("pytorch", (), ("1F1B",), (Layers.EVEN,), (0, 2, 3), True, (False, True), max_pp=1)
+MEGATRON = Space("megatron", (Encoder.STAGE,), _kinds("1F1B", "Interleaved1F1B"), (Layers.EVEN, Layers.FIRST_LAST),
+                 (0, 1), False, (True,), whole_rounds=True)
+PYTORCH = Space("pytorch", (), _kinds("1F1B"), (Layers.EVEN,), (0, 2, 3), True, (False, True), max_pp=1)
 BASELINES = (MEGATRON, PYTORCH)
 SPACES = {s.name: s for s in (DFLOP, *BASELINES)}
 
@@ -135,11 +150,12 @@ class SpaceBuilder:
         self.recompute = tuple(Recompute) if allowed == "auto" else (Recompute(allowed),)
         self._splits: dict[tuple, tuple[int, ...]] = {}
 
-    def microbatches(self, dp: int, pp: int, interleaved: bool) -> list[int]:
-        out = [m for m in MICROBATCH_OPTIONS if dp * m <= self.batch]
-        if interleaved:
-            out = [m for m in out if m >= pp and m % pp == 0]
-        return out
+    def microbatches(self, space: Space, dp: int, ranks: int, schedule: str, virtual: int) -> list[int]:
+        """Microbatch counts that give every bin a sample and that the schedule runs on ``ranks``
+        ranks with ``virtual`` stages each (its generator's own checks, plus the space's rule)."""
+        whole = space.whole_rounds and virtual > 1
+        return [m for m in MICROBATCH_OPTIONS if dp * m <= self.batch and not shape_problem(schedule, ranks, m, virtual)
+                and not (whole and m % ranks)]
 
     def _time(self, spec: StageSpec, shape: WorkShape) -> float:
         c = self.p.cost.stage_cost(spec, shape)
@@ -219,12 +235,12 @@ class SpaceBuilder:
             yield from variants(space, base, self.recompute)
 
     def _schedules(self, space: Space, ranks: int) -> Iterator[tuple[str, int]]:
-        """(schedule, virtual stages) of a pipeline of ``ranks`` ranks; one rank runs only 1F1B."""
+        """(schedule, stages per rank) of a pipeline of ``ranks`` ranks; one rank runs only 1F1B."""
         if ranks == 1:
             yield "1F1B", 1
             return
-        for s in space.schedules:
-            yield s, 2 if s.lower().startswith("interleaved") else 1
+        for kind in space.schedules:
+            yield kind.name, kind.stages_per_rank or 2
 
     def _colocated(self, space: Space) -> Iterator[Plan]:
         model = self.p.model
@@ -238,7 +254,7 @@ class SpaceBuilder:
                 for schedule, virtual in self._schedules(space, pp):
                     if pp * virtual > model.llm.layers:
                         continue
-                    for m in self.microbatches(dp, pp, virtual > 1):
+                    for m in self.microbatches(space, dp, pp, schedule, virtual):
                         bin_samples = self.batch / (dp * m)
                         for split in self._splits_of(space, lambda how: self.llm_split(
                                 tp, pp * virtual, bin_samples, tp, how)):
@@ -290,14 +306,18 @@ class SpaceBuilder:
         for (tp, pp, dp, etp, epp, edp), layout in self._layouts(space, skip_split):
             # Megatron's layouts with Megatron's splits; dflop's own with the balanced split only
             how = replace(space, layers=(Layers.BALANCED,)) if layout is Encoder.FREE else space
-            for m in self.microbatches(dp, pp, False):
+            # several stages per rank need colocated placement (Plan.problems)
+            runs = {s: self.microbatches(space, dp, pp + epp, s, 1)
+                    for s, virtual in self._schedules(space, pp + epp) if virtual == 1}
+            for m in MICROBATCH_OPTIONS:
+                schedules = [s for s, options in runs.items() if m in options]
+                if not schedules:
+                    continue
                 bin_samples = self.batch / (dp * m)
                 chunk = self.batch * self.mean_tiles / (edp * m)
                 llm = self._splits_of(how, lambda h: self.llm_split(tp, pp, bin_samples, None, h))
                 enc = self._splits_of(how, lambda h: self.encoder_split(etp, epp, chunk, h))
-                for schedule, _ in self._schedules(space, pp + epp):
-                    if schedule.lower().startswith("interleaved"):
-                        continue  # virtual stages need colocated placement
+                for schedule in schedules:
                     for split in llm:
                         for esplit in enc:
                             yield Plan(encoder=ModulePlan(tp=etp, pp=epp, dp=edp, layers_per_stage=esplit),

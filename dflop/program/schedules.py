@@ -26,7 +26,7 @@ from typing import Callable
 from dflop.errors import DflopError
 from dflop.program.actions import Action, Kind, Program
 from dflop.program.placement import StagePlacement
-from dflop.program.vshape import dual_pipe_v, zbv_zero_bubble
+from dflop.program.vshape import dual_pipe_v, dual_pipe_v_problem, zbv_zero_bubble
 
 
 def gpipe(pp: int, m: int) -> Program:
@@ -35,18 +35,25 @@ def gpipe(pp: int, m: int) -> Program:
     return Program("GPipe", pp, m, tuple(range(pp)), ranks)
 
 
-def _rounds(pp: int, m: int, name: str) -> int:
-    """Microbatches per round (torch's flexible rule; Megatron's when m is a multiple of pp)."""
+def rounds_problem(pp: int, m: int, v: int) -> str:
+    """Why ``m`` microbatches do not make whole rounds of a looped schedule with ``v`` stages per
+    rank ('' when they do): torch's flexible rule, Megatron's when m is a multiple of pp."""
     rounds = max(1, m // pp)
-    if m % rounds:
-        raise DflopError(f"{name} needs the microbatches ({m}) to be a multiple of the number of "
-                         f"rounds ({rounds})")
-    return m // rounds
+    if v == 1 or m % rounds == 0:
+        return ""
+    return f"needs the microbatches ({m}) to be a multiple of the number of rounds ({rounds})"
+
+
+def _per_round(pp: int, m: int, v: int, name: str) -> int:
+    """Microbatches per round (all of them with one stage per rank)."""
+    if problem := rounds_problem(pp, m, v):
+        raise DflopError(f"{name} {problem}")
+    return m // max(1, m // pp) if v > 1 else m
 
 
 def _one_f_one_b_ranks(pp: int, m: int, v: int, zero_bubble: bool, name: str) -> tuple[tuple[Action, ...], ...]:
     """torch's _get_1f1b_rank_ops for every rank (F/B, or F/I/W with zero_bubble)."""
-    per_round = _rounds(pp, m, name) if v > 1 else m
+    per_round = _per_round(pp, m, v, name)
     backward = Kind.I if zero_bubble else Kind.B
     out = []
     for rank in range(pp):
@@ -148,17 +155,20 @@ class ScheduleKind:
     placement: StagePlacement
     splits_backward: bool
     """Has separate input- and weight-gradient actions (I and W)."""
+    limits: Callable[[int, int, int], str] = lambda pp, m, v: ""
+    """Why the builder refuses ``pp`` ranks, ``m`` microbatches and ``v`` stages per rank ('' when
+    it takes them), for those it checks beyond the stages per rank."""
 
 
 SCHEDULES: dict[str, ScheduleKind] = {s.name.lower(): s for s in (
     ScheduleKind("GPipe", gpipe, 1, StagePlacement.LOOP, False),
     ScheduleKind("1F1B", one_f_one_b, 1, StagePlacement.LOOP, False),
-    ScheduleKind("Interleaved1F1B", interleaved_1f1b, None, StagePlacement.LOOP, False),
+    ScheduleKind("Interleaved1F1B", interleaved_1f1b, None, StagePlacement.LOOP, False, rounds_problem),
     ScheduleKind("LoopedBFS", looped_bfs, None, StagePlacement.LOOP, False),
-    ScheduleKind("InterleavedZeroBubble", interleaved_zero_bubble, None, StagePlacement.LOOP, True),
+    ScheduleKind("InterleavedZeroBubble", interleaved_zero_bubble, None, StagePlacement.LOOP, True, rounds_problem),
     ScheduleKind("ZBH1", interleaved_zero_bubble, 1, StagePlacement.LOOP, True),
     ScheduleKind("ZBVZeroBubble", zbv_zero_bubble, 2, StagePlacement.V, True),
-    ScheduleKind("DualPipeV", dual_pipe_v, 2, StagePlacement.V, True),
+    ScheduleKind("DualPipeV", dual_pipe_v, 2, StagePlacement.V, True, lambda pp, m, v: dual_pipe_v_problem(pp, m)),
 )}
 
 
@@ -178,10 +188,6 @@ def canonical(name: str) -> str:
 def splits_backward(name: str) -> bool:
     """True for schedules with separate input- and weight-gradient actions."""
     return schedule_kind(name).splits_backward
-
-
-def supports_virtual_stages(name: str) -> bool:
-    return schedule_kind(name).stages_per_rank is None
 
 
 def placement(name: str) -> StagePlacement:
@@ -207,19 +213,28 @@ def parameter_copies(name: str) -> int:
     return 1
 
 
-def build(name: str, pp: int, m: int, v: int | None = None) -> Program:
-    """The named schedule for ``pp`` ranks, ``m`` microbatches and ``v`` stages per rank
-    (default: the schedule's fixed number, else 1)."""
+def shape_problem(name: str, pp: int, m: int, v: int | None = None) -> str:
+    """Why the named schedule cannot run ``pp`` ranks, ``m`` microbatches and ``v`` stages per rank
+    ('' when it can): every check :func:`build` makes, for those who only ask (the planner)."""
     kind = schedule_kind(name)
     v = stages_per_rank(name) if v is None else v
     if pp < 1 or m < 1 or v < 1:
-        raise DflopError(f"{kind.name}: pp, microbatches and virtual stages must be at least 1")
+        return f"{kind.name}: pp, microbatches and virtual stages must be at least 1"
+    if kind.stages_per_rank == 1 and v != 1:
+        return (f"{kind.name} has one stage per rank; use Interleaved1F1B, InterleavedZeroBubble "
+                f"or LoopedBFS for {v} virtual stages")
+    if kind.stages_per_rank not in (None, v):
+        return f"{kind.name} runs exactly {kind.stages_per_rank} stages per rank (V placement), got virtual_stages={v}"
+    problem = kind.limits(pp, m, v)
+    return f"{kind.name} {problem}" if problem else ""
+
+
+def build(name: str, pp: int, m: int, v: int | None = None) -> Program:
+    """The named schedule for ``pp`` ranks, ``m`` microbatches and ``v`` stages per rank
+    (default: the schedule's fixed number, else 1)."""
+    if problem := shape_problem(name, pp, m, v):
+        raise DflopError(problem)
+    kind = schedule_kind(name)
     if kind.stages_per_rank is None:
-        return kind.builder(pp, m, v)
-    if v != kind.stages_per_rank:
-        if kind.stages_per_rank == 1:
-            raise DflopError(f"{kind.name} has one stage per rank; use Interleaved1F1B, InterleavedZeroBubble "
-                             f"or LoopedBFS for {v} virtual stages")
-        raise DflopError(f"{kind.name} runs exactly {kind.stages_per_rank} stages per rank (V placement), "
-                         f"got virtual_stages={v}")
+        return kind.builder(pp, m, stages_per_rank(name, v))
     return kind.builder(pp, m)

@@ -27,7 +27,7 @@ from functools import lru_cache
 from dflop.errors import DflopError
 from dflop.program.actions import Action, Kind, Program
 from dflop.program.check import check_program
-from dflop.program.schedules import build
+from dflop.program.schedules import build, placement
 from dflop.specs.plan import Module, Plan
 
 
@@ -108,6 +108,29 @@ def program_for(plan: Plan) -> tuple[Program, int]:
     return checked(plan.schedule, plan.encoder.pp + plan.llm.pp, plan.microbatches, 1), plan.encoder.pp
 
 
+def _groups(plan: Plan, stage_to_rank: tuple[int, ...], encoder_stages: int) -> tuple[Group, ...]:
+    groups = []
+    for rank in range(max(stage_to_rank) + 1):
+        stages = [s for s, r in enumerate(stage_to_rank) if r == rank]
+        module = Module.ENCODER if stages[0] < encoder_stages else Module.LLM
+        offset = 0 if module is Module.ENCODER else encoder_stages
+        mp = plan.module(module)
+        groups.append(Group(rank, module, rank - offset, mp.dp, mp.tp, tuple(s - offset for s in stages)))
+    return tuple(groups)
+
+
+def plan_groups(plan: Plan) -> tuple[Group, ...]:
+    """The pipeline ranks of the plan's program and the stages each holds, where its schedule places
+    them (loop, or V: rank r of p holds stages r and 2p-1-r), without building the program: the
+    groups :func:`build_template` makes, for the planner's cheap figures."""
+    if plan.colocated:
+        ranks, encoder_stages, stages = plan.llm.pp, 0, plan.stages("llm")
+    else:
+        ranks = stages = plan.encoder.pp + plan.llm.pp
+        encoder_stages = plan.encoder.pp
+    return _groups(plan, placement(plan.schedule).stage_to_rank(ranks, stages), encoder_stages)
+
+
 def build_template(plan: Plan, program: Program | None = None) -> Template:
     if program is None:
         program, encoder_stages = program_for(plan)
@@ -115,14 +138,7 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
         encoder_stages = 0 if plan.colocated else plan.encoder.pp
         check_program(program)
     last_stage = program.stages - 1
-    groups = []
-    for rank in range(program.num_ranks):
-        stages = program.stages_of(rank)
-        module = Module.ENCODER if stages[0] < encoder_stages else Module.LLM
-        offset = 0 if module is Module.ENCODER else encoder_stages
-        mp = plan.module(module)
-        groups.append(Group(rank, module, rank - (0 if module is Module.ENCODER else encoder_stages),
-                            mp.dp, mp.tp, tuple(s - offset for s in stages)))
+    groups = _groups(plan, program.stage_to_rank, encoder_stages)
 
     index: dict[Action, int] = {}
     flat: list[tuple[int, Action, int]] = []
@@ -171,7 +187,7 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
     last = [-1] * len(groups)
     for op in ops:
         last[op.group] = op.index
-    return Template(plan, program, encoder_stages, tuple(groups), tuple(ops),
+    return Template(plan, program, encoder_stages, groups, tuple(ops),
                     _topological(ops), tuple(last))
 
 

@@ -96,10 +96,17 @@ def zbv_zero_bubble(pp: int, m: int) -> Program:
     return _v_program("ZBVZeroBubble", pp, m, out)
 
 
-def dual_pipe_v(pp: int, m: int) -> Program:
+def dual_pipe_v_problem(pp: int, m: int) -> str:
+    """Why DualPipeV cannot run ``m`` microbatches on ``pp`` ranks ('' when it can): as torch's
+    ScheduleDualPipeV, it needs at least one per stage."""
     if m < 2 * pp:
-        raise DflopError(f"DualPipeV needs at least as many microbatches as stages (2 x {pp} = {2 * pp}), "
-                         f"got {m}")
+        return f"needs at least as many microbatches as stages (2 x {pp} = {2 * pp}), got {m}"
+    return ""
+
+
+def dual_pipe_v(pp: int, m: int) -> Program:
+    if problem := dual_pipe_v_problem(pp, m):
+        raise DflopError(f"DualPipeV {problem}")
     return _v_program("DualPipeV", pp, m, [_dual_pipe_v_rank(pp, m, rank) for rank in range(pp)])
 
 

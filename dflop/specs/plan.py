@@ -99,7 +99,7 @@ class Plan:
     schedule: str = "1F1B"
     """Pipeline schedule, named as torch.distributed.pipelining names it."""
     virtual_stages: int = 1
-    """Model chunks per LLM pipeline rank (Interleaved1F1B)."""
+    """Model chunks per LLM pipeline rank (Interleaved1F1B, LoopedBFS; 2 for the V schedules)."""
     zero: Literal[0, 1, 2, 3] = 1
     """ZeRO stage over data parallelism. 0: replicated (DDP), one bucketed gradient all-reduce per
     step, overlapped with the last backward. 1: optimizer state sharded (Megatron's distributed
