@@ -19,8 +19,9 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 $(ARGS)
 
 # Every benchmark, then benchmarks/REPORT.md and benchmarks/results/*.json (ARGS=--quick: a dry run).
+# One thread per process, as the torch backend's CPU ranks and the shipped CPU profile run.
 bench: $(STAMP)
-	$(VENV)/bin/python benchmarks/report.py $(ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python benchmarks/report.py $(ARGS)
 
 # Execute every notebook (or NOTEBOOKS="notebooks/x.ipynb ...") and store it with its outputs.
 notebooks: $(STAMP)

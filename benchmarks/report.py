@@ -125,6 +125,7 @@ def machine() -> dict[str, Any]:
     uname = os.uname()
     return {"uname": f"{uname.sysname} {uname.release} {uname.machine}", "node": uname.nodename,
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch_version,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
@@ -158,7 +159,8 @@ def render(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
     if quick:
         lines += ["**Quick dry run** (`--quick`): reduced sizes that test the plumbing; these figures are "
                   "not the benchmarks' and are not to be cited. `make bench` writes the real report.", ""]
-    lines += [f"- date: {where['date']}", f"- machine: {where['uname']}, {where['cpus']} CPUs",
+    lines += [f"- date: {where['date']}", f"- machine: {where['uname']}, {where['cpus']} CPUs, "
+              f"OMP_NUM_THREADS={where.get('omp_num_threads', 'unset')}",
               f"- Python {where['python']}, torch {where['torch']}",
               "- every figure comes from the run below; ratios compare things measured in the same run", ""]
     for r in results:

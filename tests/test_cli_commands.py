@@ -47,7 +47,7 @@ def test_schedule_bad_items(tmp_path):
 
 def test_optimize_simulate_and_plot(tmp_path):
     config = small_config(tmp_path)
-    plan_file = tmp_path / "plan.yaml"
+    plan_file = tmp_path / "plans" / "plan.yaml"  # a folder that does not exist yet is made
     out = dflop_json("optimize", "--config", config, "--out", plan_file)
     assert set(out) >= {"plan", "expected_step_time_s", "per_gpu_memory_gib", "alternatives", "baseline",
                         "speedup", "search_seconds", "pruning", "why"}

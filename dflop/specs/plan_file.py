@@ -85,6 +85,7 @@ def save_plan(plan: Plan, path: str | Path, cluster: ClusterSpec) -> Path:
     """Write ``plan`` and the cluster it was made for."""
     p = Path(path)
     data = {**to_mapping(plan), CLUSTER_KEY: to_mapping(PlannedCluster.of(cluster))}
+    p.parent.mkdir(parents=True, exist_ok=True)  # --out was checked to be makeable before the search
     p.write_text(yaml.safe_dump(data, sort_keys=False))
     return p
 
