@@ -16,11 +16,11 @@ speedup for the same steps (step graphs only).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
+import tiny_cpu
 
 PLANS = {
     "dp2 (colocated)": dict(encoder={"dp": 2}, llm={"dp": 2}, placement="colocated", microbatches=2),
@@ -33,35 +33,23 @@ def main() -> None:
     from dflop.backends import ScheduledBatch
     from dflop.backends.torch_runtime.backend import TorchBackend
     from dflop.backends.torch_runtime.worker import TorchOptions
-    from dflop.cost import System
-    from dflop.cost.select import select_cost_model
     from dflop.program.steps import StepRunner
     from dflop.schedule.batching import Batching, assign
     from dflop.schedule.step import plan_costs, schedule_batch
-    from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, presets
-    from dflop.workload import batches, profile_mix
+    from dflop.workload import batches
 
-    parser = argparse.ArgumentParser()
+    parser = tiny_cpu.parser(__doc__.splitlines()[0], "video-heavy")
     parser.add_argument("--rounds", type=int, default=4, help="global batches per plan (the first is a warm-up)")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--mix", default="video-heavy")
-    parser.add_argument("--profiles", action="append", default=[], help="profile store folder(s)")
-    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
-
-    model = presets.model("tiny-vit", "tiny-llm")
-    hardware = presets.hardware("cpu")
-    training = TrainingSpec(global_batch=args.batch)
-    cost, note = select_cost_model(model, hardware, training, args.profiles)
-    system = System(model, ClusterSpec(hardware=hardware, nodes=1, gpus_per_node=2), training, cost)
-    data = profile_mix(args.mix, 4000, model.encoder, seed=0).samples
+    system, cost, data, note = tiny_cpu.setup(args)
+    model = system.model
     print(f"{model.name} on 2 CPU processes, {args.mix}, global batch {args.batch}, {args.rounds - 1} measured "
           f"batches per arm; {note}")
     print(f"{'plan':<18} {'bins':<16} {'measured step s':>15} {'dflop speedup':>13} {'predicted':>9}")
     rows = []
     for name, fields in PLANS.items():
-        plan = Plan(encoder=ModulePlan(**fields["encoder"]), llm=ModulePlan(**fields["llm"]),
-                    **{k: v for k, v in fields.items() if k not in ("encoder", "llm")})
+        plan = tiny_cpu.plan(fields)
         stream = batches(data, args.batch, seed=1)
         steps = []
         for _ in range(args.rounds):
@@ -84,7 +72,7 @@ def main() -> None:
         print(f"{name:<18} over the strongest data-blind rule ({strongest['bins']}): {strongest['speedup']:.2f}x "
               f"measured, {strongest['predicted_speedup']:.2f}x predicted")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "cost_model": cost.name}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "cost_model": cost.name}, indent=2))
 
 
 if __name__ == "__main__":

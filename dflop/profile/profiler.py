@@ -315,13 +315,14 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
     base = {"device": where, "module": r.kind, "model": r.spec.name, "dtype": r.dtype}
     records = [{**base, "tp": tp, "phase": phase, "shape": shape} for tp, (phase, shape, *_) in todo]
     pending = [i for i, rec in enumerate(records) if record_key(rec) not in done]
+    waiting = set(pending)
     report = ProfileReport(0, len(todo) - len(pending), r.store.path)
     with _lock_step(processes, name, str(out), options, tps, pending, warmup, repeats) as barrier:
         torch.manual_seed(0)
         for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(todo):
             if progress is not None:
                 progress(f"{r.spec.name} tp{tp} {phase} {shape}", index, len(todo))
-            if index not in pending:
+            if index not in waiting:
                 continue
             module = make_module()
             if barrier is not None:
