@@ -234,13 +234,12 @@ def _pct(x: float | None) -> str:
     return f"{x:.1%}" if x is not None else "n/a"
 
 
-MODULE_GROUPS = {"encoder": "encoder", "llm": "LLM", "llm+encoder": "LLM stage 0 + encoder"}
-
-
 def _idle(r: dict[str, Any]) -> str:
     """``idle 12.0% (encoder 30.1%, LLM 5.2%)``: which module's GPUs wait, when there is more than one."""
+    from dflop.trace.metrics import MODULE_GROUP_NAMES
+
     groups = r.get("idle_by_module") or {}
-    parts = ", ".join(f"{MODULE_GROUPS.get(g, g)} {v:.1%}" for g, v in sorted(groups.items()))
+    parts = ", ".join(f"{MODULE_GROUP_NAMES.get(g, g)} {v:.1%}" for g, v in sorted(groups.items()))
     return f"idle {_pct(r['idle_fraction'])}" + (f" ({parts})" if len(groups) > 1 else "")
 
 

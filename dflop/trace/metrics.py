@@ -77,8 +77,7 @@ def metrics(doc: dict[str, Any]) -> TraceMetrics:
     n = len(pids)
     index = {pid: i for i, pid in enumerate(pids)}
     busy = np.zeros(n)
-    after_graph = 0.0
-    """GPU-weighted busy time of work that follows the step graph (the optimizer step)."""
+    after_graph = 0.0  # GPU-weighted busy time of work that follows the step graph (the optimizer step)
     step_times, compute_spans = [], []
     flops = hw_flops = 0.0
     for e in compute:
@@ -115,6 +114,10 @@ def metrics(doc: dict[str, Any]) -> TraceMetrics:
         peak_memory_gib=peaks,
         oom=other.get("oom", []),
     )
+
+
+MODULE_GROUP_NAMES = {"encoder": "encoder", "llm": "LLM", "llm+encoder": "LLM stage 0 + encoder"}
+"""How reports and pictures name each module group of ``module_group``."""
 
 
 def module_group(workers: list[dict[str, Any]], pid: int) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 
 from dflop.errors import DflopError
 from dflop.trace.chrome import COMPUTE
-from dflop.trace.metrics import metrics
+from dflop.trace.metrics import MODULE_GROUP_NAMES, metrics
 from dflop.trace.record import RECV
 from dflop.viz import style
 
@@ -240,7 +240,7 @@ def layout(doc: dict[str, Any], *, compare: dict[str, Any] | None = None, labels
 def _legend_name(category: str) -> str:
     module, _, kind = category.partition(" ")
     if kind in style.KIND_NAMES:
-        who = {"llm": "LLM", "encoder": "encoder", "llm+encoder": "LLM stage 0 + encoder"}.get(module, module)
+        who = MODULE_GROUP_NAMES.get(module, module)
         return f"{who} {style.KIND_NAMES[kind]}"
     return style.COMM_NAMES.get(category, category)
 
