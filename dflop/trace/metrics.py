@@ -117,26 +117,25 @@ def metrics(doc: dict[str, Any]) -> TraceMetrics:
 
 
 MODULE_GROUP_NAMES = {"encoder": "encoder", "llm": "LLM", "llm+encoder": "LLM stage 0 + encoder"}
-"""How reports and pictures name each module group of ``module_group``."""
+"""How reports and pictures name each group of ``module_groups``."""
 
 
-def module_group(workers: list[dict[str, Any]], pid: int) -> str:
-    """The module a worker's GPUs serve: its own, or "llm+encoder" for a colocated first LLM stage."""
-    if pid >= len(workers):
-        return "llm"
-    module = workers[pid].get("module", "llm")
+def module_groups(workers: list[dict[str, Any]]) -> list[str]:
+    """The module each worker's GPUs serve: its own, or "llm+encoder" for a colocated first LLM stage."""
     colocated = not any(w.get("module") == "encoder" for w in workers)
-    return "llm+encoder" if colocated and module == "llm" and workers[pid].get("rank") == 0 else module
+    return ["llm+encoder" if colocated and w.get("module", "llm") == "llm" and w.get("rank") == 0
+            else w.get("module", "llm") for w in workers]
 
 
 def _idle_by_module(workers: list[dict[str, Any]], pids: list[int], busy: np.ndarray, weight: dict[int, int],
                     total_step: float) -> dict[str, float]:
     if total_step <= 0:
         return {}
+    names = module_groups(workers)
     busy_us: dict[str, float] = {}
     gpus: dict[str, int] = {}
     for i, pid in enumerate(pids):
-        group = module_group(workers, pid)
+        group = names[pid] if pid < len(names) else "llm"
         busy_us[group] = busy_us.get(group, 0.0) + busy[i] * weight[pid]
         gpus[group] = gpus.get(group, 0) + weight[pid]
     return {g: 1.0 - busy_us[g] / 1e6 / (gpus[g] * total_step) for g in busy_us}
