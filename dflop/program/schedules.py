@@ -44,16 +44,10 @@ def rounds_problem(pp: int, m: int, v: int) -> str:
     return f"needs the microbatches ({m}) to be a multiple of the number of rounds ({rounds})"
 
 
-def _per_round(pp: int, m: int, v: int, name: str) -> int:
-    """Microbatches per round (all of them with one stage per rank)."""
-    if problem := rounds_problem(pp, m, v):
-        raise DflopError(f"{name} {problem}")
-    return m // max(1, m // pp) if v > 1 else m
-
-
-def _one_f_one_b_ranks(pp: int, m: int, v: int, zero_bubble: bool, name: str) -> tuple[tuple[Action, ...], ...]:
-    """torch's _get_1f1b_rank_ops for every rank (F/B, or F/I/W with zero_bubble)."""
-    per_round = _per_round(pp, m, v, name)
+def _one_f_one_b_ranks(pp: int, m: int, v: int, zero_bubble: bool) -> tuple[tuple[Action, ...], ...]:
+    """torch's _get_1f1b_rank_ops for every rank (F/B, or F/I/W with zero_bubble); the microbatches
+    make whole rounds (``build`` checks ``rounds_problem`` first)."""
+    per_round = m // max(1, m // pp) if v > 1 else m
     backward = Kind.I if zero_bubble else Kind.B
     out = []
     for rank in range(pp):
@@ -119,14 +113,14 @@ def one_f_one_b(pp: int, m: int) -> Program:
 def interleaved_1f1b(pp: int, m: int, v: int = 2) -> Program:
     stages = pp * v
     return Program("Interleaved1F1B", stages, m, tuple(s % pp for s in range(stages)),
-                   _one_f_one_b_ranks(pp, m, v, zero_bubble=False, name="Interleaved1F1B"))
+                   _one_f_one_b_ranks(pp, m, v, zero_bubble=False))
 
 
 def interleaved_zero_bubble(pp: int, m: int, v: int = 1) -> Program:
     stages = pp * v
     name = "ZBH1" if v == 1 else "InterleavedZeroBubble"
     return Program(name, stages, m, tuple(s % pp for s in range(stages)),
-                   _one_f_one_b_ranks(pp, m, v, zero_bubble=True, name=name))
+                   _one_f_one_b_ranks(pp, m, v, zero_bubble=True))
 
 
 def looped_bfs(pp: int, m: int, v: int = 2) -> Program:

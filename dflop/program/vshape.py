@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from dflop.errors import DflopError
 from dflop.program.actions import Action, Kind, Program
 from dflop.program.placement import StagePlacement
 
@@ -105,8 +104,7 @@ def dual_pipe_v_problem(pp: int, m: int) -> str:
 
 
 def dual_pipe_v(pp: int, m: int) -> Program:
-    if problem := dual_pipe_v_problem(pp, m):
-        raise DflopError(f"DualPipeV {problem}")
+    """DualPipeV's ranks; ``build`` checks ``dual_pipe_v_problem`` first."""
     return _v_program("DualPipeV", pp, m, [_dual_pipe_v_rank(pp, m, rank) for rank in range(pp)])
 
 
