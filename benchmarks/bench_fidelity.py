@@ -1,16 +1,21 @@
 """Fidelity: the simulator's predicted step time against the torch backend's measured one.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fidelity.py [--steps 4] [--profiles DIR]
+Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fidelity.py [--steps 2] [--rounds 3] [--profiles DIR]
 
 Tiny SigLIP- and Qwen2.5-shaped models on 2 local CPU processes (gloo, one thread
 each: the ranks never outnumber this machine's 2 cores, so the prediction need not
 model sharing a core). Each plan x schedule trains the same global batches, split by
 dflop's scheduler; the simulator predicts the very same steps with the profiled CPU
 cost model (the shipped profile, measured with one thread per process as the backend
-runs, or the stores in --profiles). It prints, per plan, the predicted and the
-measured time of the step graph (median over the steps after a warm-up step) and the
-error, the optimizer step's measured time apart (it is not in the step graph), then
-the median absolute error and whether the simulator orders the plans as measured.
+runs, TP in real gloo groups; or the stores in --profiles). The plans run in turn,
+one launch each per round, so that a machine whose speed drifts (this VM's does, by up
+to a third within minutes) slows every plan alike. It prints, per plan, the predicted
+and the measured time of the step graph (median over every round's steps after its
+warm-up step), the error, the spread of the rounds' medians (max - min over the
+median), the optimizer step's measured time apart (it is not in the step graph), then
+the median absolute error and the share of plan pairs the simulator orders as
+measured: of all pairs, and of those whose measured gap exceeds both plans' spread
+(the others this machine cannot order either).
 """
 
 from __future__ import annotations
@@ -35,11 +40,20 @@ PLANS = {
 }
 
 
-def kendall_agreement(a: list[float], b: list[float]) -> float:
-    """Share of plan pairs that both lists order the same way."""
-    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+def kendall_agreement(a: list[float], b: list[float], pairs: list[tuple[int, int]] | None = None) -> float:
+    """Share of plan pairs (all, or those given) that both lists order the same way."""
+    if pairs is None:
+        pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
     same = sum(1 for i, j in pairs if (a[i] - a[j]) * (b[i] - b[j]) > 0)
     return same / len(pairs) if pairs else 1.0
+
+
+def resolvable_pairs(rows: list[dict]) -> list[tuple[int, int]]:
+    """Plan pairs whose measured times differ by more than either plan's round-to-round spread:
+    the pairs this machine can order at all."""
+    return [(i, j) for i in range(len(rows)) for j in range(i + 1, len(rows))
+            if abs(rows[i]["measured_s"] - rows[j]["measured_s"])
+            > max(rows[i]["spread"] * rows[i]["measured_s"], rows[j]["spread"] * rows[j]["measured_s"])]
 
 
 def main() -> None:
@@ -51,39 +65,58 @@ def main() -> None:
     from dflop.workload import batches
 
     parser = tiny_cpu.parser(__doc__.splitlines()[0], "llava-ov")
-    parser.add_argument("--steps", type=int, default=4, help="measured steps per plan (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per plan and round (after a warm-up)")
+    parser.add_argument("--rounds", type=int, default=3, help="launches per plan, the plans taken in turn")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     system, cost, data, note = tiny_cpu.setup(args)
     model = system.model
     print(f"{model.name} on 2 CPU processes, {args.mix}, global batch {args.batch}; {note}")
-    print(f"{'plan':<34} {'predicted s':>11} {'measured s':>11} {'error':>8} {'optimizer s':>11}")
-    rows = []
-    for name, fields in PLANS.items():
-        plan = tiny_cpu.plan(fields)
+    plans = {name: tiny_cpu.plan(fields) for name, fields in PLANS.items()}
+    scheduled = {}
+    for name, plan in plans.items():
         stream = batches(data, args.batch, seed=1)
-        steps = []
+        scheduled[name] = []
         for _ in range(args.steps + 1):
             batch = next(stream)
             costs = plan_costs(batch, plan, model, cost)
-            steps.append(ScheduledBatch(batch, schedule_batch(batch, plan, costs=costs, solver="auto",
-                                                              time_limit=0.2).assignment))
-        result = TorchBackend(options=TorchOptions(lr=1e-4)).run(StepRunner(plan, system), steps)
-        measured = float(np.median([s["graph_s"] for s in result.steps[1:]]))
-        optimizer = float(np.median([s["optimizer_s"] for s in result.steps[1:]]))
-        predicted = float(np.median(result.extra["predicted_step_time_s"][1:]))
+            scheduled[name].append(ScheduledBatch(batch, schedule_batch(batch, plan, costs=costs, solver="auto",
+                                                                        time_limit=0.2).assignment))
+    runs: dict[str, list] = {name: [] for name in plans}
+    for _ in range(args.rounds):  # in turn, so that a machine whose speed drifts slows every plan alike
+        for name, plan in plans.items():
+            runs[name].append(TorchBackend(options=TorchOptions(lr=1e-4)).run(StepRunner(plan, system),
+                                                                               scheduled[name]))
+    print(f"{'plan':<34} {'predicted s':>11} {'measured s':>11} {'error':>8} {'spread':>7} {'optimizer s':>11}")
+    rows = []
+    for name, plan in plans.items():
+        graph = [[s["graph_s"] for s in result.steps[1:]] for result in runs[name]]
+        measured = float(np.median(sum(graph, [])))
+        rounds = [float(np.median(g)) for g in graph]
+        spread = (max(rounds) - min(rounds)) / measured
+        optimizer = float(np.median([s["optimizer_s"] for r in runs[name] for s in r.steps[1:]]))
+        predicted = float(np.median(runs[name][0].extra["predicted_step_time_s"][1:]))
         rows.append({"plan": name, "describe": plan.describe(), "predicted_s": predicted, "measured_s": measured,
-                     "optimizer_s": optimizer, "error": predicted / measured - 1})
-        print(f"{name:<34} {predicted:11.3f} {measured:11.3f} {rows[-1]['error']:+8.1%} {optimizer:11.3f}", flush=True)
+                     "round_medians_s": rounds, "spread": spread, "optimizer_s": optimizer,
+                     "error": predicted / measured - 1})
+        print(f"{name:<34} {predicted:11.3f} {measured:11.3f} {rows[-1]['error']:+8.1%} {spread:7.1%} "
+              f"{optimizer:11.3f}")
     errors = [abs(r["error"]) for r in rows]
-    agreement = kendall_agreement([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    predicted, measured = [r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]
+    agreement = kendall_agreement(predicted, measured)
+    resolved = resolvable_pairs(rows)
+    resolved_agreement = kendall_agreement(predicted, measured, resolved)
     fastest = (min(rows, key=lambda r: r["predicted_s"])["plan"], min(rows, key=lambda r: r["measured_s"])["plan"])
-    print(f"median |error| {np.median(errors):.1%} (max {max(errors):.1%}) over {len(rows)} plans")
-    print(f"plan pairs ordered as measured: {agreement:.0%}; fastest predicted: {fastest[0]}; fastest measured: "
-          f"{fastest[1]}")
+    print(f"median |error| {np.median(errors):.1%} (max {max(errors):.1%}) over {len(rows)} plans, "
+          f"{args.rounds} rounds of {args.steps} steps each; spread: the rounds' medians, max - min over the median")
+    print(f"plan pairs ordered as measured: {agreement:.0%} of all {len(rows) * (len(rows) - 1) // 2}, "
+          f"{resolved_agreement:.0%} of the {len(resolved)} whose measured gap exceeds both plans' spread; "
+          f"fastest predicted: {fastest[0]}; fastest measured: {fastest[1]}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "median_abs_error": float(np.median(errors)),
-                                         "pair_agreement": agreement, "cost_model": cost.name}, indent=2))
+                                               "pair_agreement": agreement, "resolved_pairs": len(resolved),
+                                               "resolved_pair_agreement": resolved_agreement,
+                                               "cost_model": cost.name}, indent=2))
 
 
 if __name__ == "__main__":

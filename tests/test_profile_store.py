@@ -48,10 +48,12 @@ def test_non_finite_and_deep_records_are_skipped_with_a_warning(tmp_path):
         f.write(json.dumps(record(2, fwd_ms=math.nan)) + "\n")
         f.write(json.dumps(record(3, shape={"tokens": math.inf})) + "\n")
         f.write("[" * 5000 + "]" * 5000 + "\n")
+        f.write(json.dumps(record(5, tp=2, tp_comm="guessed")) + "\n")
     warnings = []
     assert [r["shape"]["tokens"] for r in store.read(warnings.append)] == [1]
-    assert [w.split(": ", 1)[0] for w in warnings] == [f"{store.path}:{i}" for i in (2, 3, 4)]
+    assert [w.split(": ", 1)[0] for w in warnings] == [f"{store.path}:{i}" for i in (2, 3, 4, 5)]
     assert "nested deeper than" in warnings[2]
+    assert "field 'tp_comm' must be one of measured, modelled" in warnings[3]
 
 
 def test_non_utf8_store_names_file_and_line(tmp_path):

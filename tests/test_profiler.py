@@ -45,8 +45,45 @@ def test_lock_step_processes_measure_alongside_and_a_dead_twin_stops_the_run(tmp
     # a twin that cannot start (an unknown model) breaks the barrier instead of leaving this process waiting
     with pytest.raises(DflopError, match=r"a lock-step profiling process stopped \(exit code 1\).*kept in"):
         with _lock_step(2, "no-such-model", str(tmp_path), {"device": "cpu", "dtype": None, "grid": "quick",
-                                                           "llm": None}, (1,), [0], 0, 1) as barrier:
+                                                           "llm": None}, (1,), [0], 0, 1) as (barrier, _):
             barrier.wait(120)
+
+
+def test_tensor_parallelism_runs_in_real_groups_of_lock_step_processes(tmp_path):
+    def records(folder):
+        return {(r["tp"], r["phase"], tuple(r["shape"].values())): r for r in ProfileStore.in_dir(folder).read()}
+
+    dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--repeats", 1, "--tp", 1, "--tp", 2,
+               "--processes", 2, "--out", tmp_path)
+    grouped = records(tmp_path)
+    tp2 = [r for (tp, *_), r in grouped.items() if tp == 2]
+    assert len(tp2) == 10 and {r["tp_comm"] for r in tp2} == {"measured"}
+    for (tp, phase, shape), r in grouped.items():
+        if tp == 2 and phase == "head":  # the backend keeps the head whole on every TP rank: full-vocabulary logits
+            assert r["memory_bytes"] == grouped[(1, "head", shape)]["memory_bytes"]
+        if tp == 2 and phase == "block":  # split over the group: each rank keeps its heads' and channels' share
+            assert r["memory_bytes"] < 0.8 * grouped[(1, "block", shape)]["memory_bytes"]
+    # alone, TP 2 is one shard (half the vocabulary) measured again, its collectives left to the cost model
+    again = dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--repeats", 1, "--tp", 1,
+                       "--tp", 2, "--out", tmp_path)
+    assert again["reused"] == 10 and again["measured"] == 10
+    alone = records(tmp_path)
+    for (tp, phase, shape), r in alone.items():
+        if tp == 2:
+            assert r["tp_comm"] == "modelled"
+        if tp == 2 and phase == "head":
+            assert r["memory_bytes"] < 0.7 * alone[(1, "head", shape)]["memory_bytes"]
+    assert_one_line_error(dflop("profile", "model", "--model", "tiny-llm", "--tp", 2, "--processes", 3, "--out",
+                                tmp_path), "--tp 2: lock-step processes run TP 2 in real groups of 2, so --processes "
+                          "must be a multiple of it (got 3)")
+    from dflop.errors import DflopError
+    from dflop.profile.profiler import _lock_step
+
+    # a twin that dies before the group forms stops the run instead of leaving this process waiting to join
+    with pytest.raises(DflopError, match=r"a lock-step profiling process stopped \(exit code 1\)"):
+        with _lock_step(2, "no-such-model", str(tmp_path), {"device": "cpu", "dtype": None, "grid": "quick",
+                                                           "llm": None}, (1, 2), [0], 0, 1):
+            pass
 
 
 def test_killed_run_resumes_with_only_what_is_missing(tmp_path):
@@ -109,6 +146,27 @@ def test_shipped_profile_predicts_held_out_shapes():
     assert {r["model"] for r in records} >= {"tiny-llm", "tiny-vit"}
     error = holdout_error(records)
     assert error["shapes"] >= 10 and error["median"] < 0.10
+
+
+def test_collectives_are_added_only_to_tp_shards_measured_alone():
+    records = [r for r in shipped_records() if r["model"] == "tiny-llm"]
+    stage, work = StageSpec("llm", 2, tp=2), WorkShape(2, 0, 1024, 2 * 512**2)
+
+    def cost(comm):
+        marked = [{**r, "tp_comm": comm} if r["tp"] == 2 and comm else r for r in records]
+        return ProfiledCostModel(TINY, CPU, TrainingSpec(global_batch=8), marked, "cpu", "float32")
+
+    alone, grouped, before = cost("modelled"), cost("measured"), cost(None)
+    comm = float(alone.analytical.tp_comm(stage, work))
+    assert comm > 0
+    a, g, b = (c.stage_cost(stage, work) for c in (alone, grouped, before))
+    assert float(a.fwd) == pytest.approx(float(g.fwd) + comm) and float(a.bwd_input) == pytest.approx(
+        float(g.bwd_input) + comm)
+    assert float(b.fwd) == float(a.fwd)  # records from before the field are shards measured alone
+    mixed = [{**r, "tp_comm": "measured"} if r["tp"] == 2 and r["shape"]["tokens"] < 1024 else r for r in records]
+    from dflop.errors import DflopError
+    with pytest.raises(DflopError, match="llm tp2 mixes records measured in a real TP group with shards"):
+        ProfiledCostModel(TINY, CPU, TrainingSpec(global_batch=8), mixed, "cpu", "float32")
 
 
 @pytest.fixture(scope="module")

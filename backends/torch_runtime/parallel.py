@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dflop.errors import DflopError
+from dflop.models.parallel import split_blocks
 from dflop.program.stepgraph import Worker
 from dflop.specs.plan import Module, Plan, place
 
@@ -113,22 +114,11 @@ class Groups:
 
 
 def tensor_parallel(module: nn.Module, mesh, tp: int) -> None:  # noqa: ANN001 - DeviceMesh
-    """Megatron's split of every transformer block: q, k, v and the MLP's first layers column-wise,
-    the attention output and the MLP's last layer row-wise (one all-reduce each). Embeddings, norms
-    and the head stay replicated."""
-    if tp == 1:
-        return
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    blocks = getattr(module, "blocks", None)
-    for block in (blocks.values() if blocks is not None else ()):
-        if getattr(block, "spec", None) is not None and getattr(block.spec, "qk_norm", False):
-            raise DflopError("the torch backend cannot split query-key normalisation (InternViT) over tensor "
-                             "parallelism; use tp 1 for this encoder")
-        names = {n for n, _ in block.named_children()}
-        col = [n for n in ("q", "k", "v", "gate", "up", "fc1") if n in names]
-        row = [n for n in ("o", "down", "proj", "fc2") if n in names]
-        parallelize_module(block, mesh, {**{n: ColwiseParallel() for n in col}, **{n: RowwiseParallel() for n in row}})
+    """Megatron's split of every transformer block of a stage (``dflop.models.parallel``); embeddings,
+    norms and the head stay replicated."""
+    if tp > 1:
+        blocks = getattr(module, "blocks", None)
+        split_blocks(blocks.values() if blocks is not None else (), mesh)
 
 
 def fully_shard_stage(module: nn.Module, mesh, reshard_after_forward: bool = True) -> None:  # noqa: ANN001

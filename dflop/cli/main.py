@@ -173,14 +173,15 @@ def _data_profile_text(r: dict[str, Any]) -> str:
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, "
               "bfloat16 on CUDA).")
 @click.option("--tp", "tps", type=click.IntRange(min=1), multiple=True,
-              help="Tensor-parallel degrees to profile, one shard each (repeatable; default 1).")
+              help="Tensor-parallel degrees to profile (repeatable; default 1): with --processes, in real TP "
+                   "groups; alone, one shard with its collectives left to the cost model.")
 @click.option("--grid", type=click.Choice(["cpu", "gpu", "quick"]), default=None,
               help="Shapes to measure (default: cpu or gpu by device).")
 @click.option("--repeats", type=click.IntRange(min=1), default=None, help="Timed repeats per shape (median kept).")
 @click.option("--llm", "pair_llm", default=None, help="For an encoder: the LLM its projector maps into.")
 @click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Measure while this many processes run the same shapes in lock-step (cpu): the way the "
-                   "torch backend's ranks share the machine.")
+                   "torch backend's ranks share the machine; TP degrees run in gloo groups of that size.")
 @click.option("--out", type=Output(folder=True), required=True, help="Profile store folder.")
 @json_option
 def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[int, ...], grid: str | None,
@@ -193,7 +194,7 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
     from dflop.profile.profiler import profile_model as run_profile
 
     check_request(model_name, out, device=device, dtype=dtype, grid=grid, llm=pair_llm,
-                  processes=processes)  # before the estimate
+                  processes=processes, tps=tps or (1,))  # before the estimate
     if device == "cpu":
         _warn_cpu_profile(model_name, grid, tps or (1,), repeats, pair_llm)
     with progress_bar(f"profiling {model_name}", "shapes") as progress:

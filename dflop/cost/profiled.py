@@ -20,9 +20,11 @@ Backward splits into input and weight gradients as in the analytical model:
 the weight gradient is one GEMM per forward GEMM, so it takes half of the
 backward's token- or tile-linear part, and the attention and per-sample terms
 (and full recomputation) all go to the input gradient. The split is
-subadditive too, and W ops of zero-bubble schedules inherit it. The
-tensor-parallel all-reduces come from the analytical model, as does every
-tensor-parallel degree that was not profiled (the tp=1 compute divided by tp).
+subadditive too, and W ops of zero-bubble schedules inherit it. A TP degree
+profiled in a real TP group (``tp_comm: measured``) holds its collectives in
+its figures; one profiled as a shard alone gets the analytical model's
+all-reduces, as does every TP degree that was not profiled (the tp=1 compute
+divided by tp).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import numpy as np
 
 from dflop.cost.analytical import AnalyticalCostModel
 from dflop.cost.protocol import StageCost, StageSpec, WorkShape
+from dflop.cost.store import TPComm, tp_comm_of
+from dflop.errors import DflopError
 from dflop.specs.hardware import HardwareSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Recompute
@@ -113,6 +117,20 @@ def _shape_x(record: dict) -> tuple[float, float | None, float | None]:
     return float(tokens), float(full * seq * seq + rest * rest), float(full + (1 if rest else 0))
 
 
+def comm_measured(records: list[dict]) -> set[tuple[str, int]]:
+    """(module, tp) whose block records hold their TP collectives. A TP degree profiled both ways
+    cannot be fitted as one: that is an error naming it."""
+    ways: dict[tuple[str, int], set] = defaultdict(set)
+    for r in records:
+        if r["phase"] == "block" and r["tp"] > 1:
+            ways[(r["module"], r["tp"])].add(tp_comm_of(r))
+    for (module, tp), seen in ways.items():
+        if len(seen) > 1:
+            raise DflopError(f"profile: {module} tp{tp} mixes records measured in a real TP group with shards "
+                             "measured alone (tp_comm); profile it again into one store, one way")
+    return {key for key, seen in ways.items() if seen == {TPComm.MEASURED}}
+
+
 def fit(records: list[dict]) -> dict[tuple, Fit]:
     """Fits keyed by (module, phase, tp, quantity), on every record not held out."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -158,11 +176,13 @@ class ProfiledCostModel:
     device: str
     dtype: str
     fits: dict[tuple, Fit] = field(default_factory=dict)
+    measured_comm: set[tuple[str, int]] = field(default_factory=set)
     _warned: set = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.analytical = AnalyticalCostModel(self.model, self.hardware, self.training)
         self.fits = fit(self.records)
+        self.measured_comm = comm_measured(self.records)
 
     @property
     def name(self) -> str:
@@ -211,7 +231,7 @@ class ProfiledCostModel:
                 fwd, bwd, weight = fwd + ef, bwd + eb, weight + eb / 2
                 if stage.recompute is not Recompute.FULL:
                     act = act + em
-        comm = self.analytical.tp_comm(stage, shape)
+        comm = 0.0 if (stage.module, stage.tp) in self.measured_comm else self.analytical.tp_comm(stage, shape)
         return StageCost(fwd + comm, bwd - weight + comm, weight, act, ref.flops, ref.transient_bytes,
                          ref.recompute_flops)
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from enum import Enum
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -23,6 +24,20 @@ from dflop.specs.loading import NotJson, parse_json, read_text
 
 FILENAME = "profile.jsonl"
 KEY_FIELDS = ("device", "module", "model", "dtype", "tp", "phase")
+
+
+class TPComm(str, Enum):
+    """How a record of a TP degree > 1 holds its collectives."""
+
+    MEASURED = "measured"
+    """Measured in a real TP group of lock-step processes: in the figures."""
+    MODELLED = "modelled"
+    """One shard measured alone: the cost model adds them."""
+
+
+def tp_comm_of(record: dict[str, Any]) -> TPComm | None:
+    """None without TP; records from before the field are shards measured alone."""
+    return None if record["tp"] == 1 else TPComm(record.get("tp_comm", TPComm.MODELLED.value))
 
 
 def record_key(record: dict[str, Any]) -> tuple:
@@ -40,6 +55,8 @@ def _problem(record: Any) -> str | None:
         return "field 'module' must be 'encoder' or 'llm'"
     if not isinstance(record.get("tp"), int) or record["tp"] < 1:
         return "field 'tp' must be an integer >= 1"
+    if record.get("tp_comm", "modelled") not in {c.value for c in TPComm}:
+        return f"field 'tp_comm' must be one of {', '.join(c.value for c in TPComm)}"
     shape = record.get("shape")
     if not isinstance(shape, dict) or not shape or not all(_finite(v) for v in shape.values()):
         return "field 'shape' must map names to finite numbers"

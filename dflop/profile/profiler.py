@@ -18,6 +18,17 @@ share the machine's cores, caches and memory bandwidth, as the backend's
 one-process-per-core ranks do (on this 2-core VM, two busy ranks each ran up to
 40% slower than one alone). Each record says how many processes measured it.
 
+Tensor parallelism with ``processes`` > 1 runs in real TP groups: the
+processes split into gloo groups of ``tp``, each block is split with torch's
+tensor-parallel API exactly as the backend splits it (``dflop.models.parallel``)
+and the fixed parts stay replicated, as the backend keeps them. Such records say
+``tp_comm: measured``: the collectives, and DTensor's dispatch around them, are
+in the figures (DTensor's backward all-reduces the input gradient of each of
+q, k, v, gate and up apart, more than the two collectives per direction a
+Megatron model prices), and the cost model adds none of its own. Alone
+(``processes`` 1, and on a GPU) a TP degree is measured as one shard of the
+block and its collectives are modelled (``tp_comm: modelled``).
+
 Every record is appended to the store as soon as it is measured; shapes
 already in the store are skipped, so an interrupted run resumes where it
 stopped. A few shapes between grid points are measured too and marked
@@ -34,17 +45,19 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dflop.cost.store import ProfileStore, record_key
+from dflop.cost.store import ProfileStore, TPComm, record_key, tp_comm_of
 from dflop.errors import DflopError
 from dflop.models.llm import DecoderBlock, RMSNorm, pack, shard, wide
+from dflop.models.parallel import split_blocks
 from dflop.models.vit import PatchEmbed, Projector, VisionBlock
 from dflop.specs import presets
 from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
@@ -103,15 +116,19 @@ def check_device(device: str, dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 @contextmanager
 def saved_bytes(module: nn.Module) -> Iterator[list[int]]:
     """Bytes of the distinct storages autograd saves while in this context (parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    params = {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
     seen: set[int] = set()
     total = [0]
 
     def pack_hook(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        storage = _local(t).untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in params and ptr not in seen:
             seen.add(ptr)
@@ -150,11 +167,12 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 
 def measure(module: nn.Module, make_inputs: Callable[[], tuple], device: str, warmup: int,
-            repeats: int) -> dict[str, float]:
+            repeats: int, group: Any = None) -> dict[str, float]:
     """Median forward and backward ms, their spread, and the activation bytes of one forward.
 
     Fast ops run ``inner`` times inside each timed sample (enough for MIN_SAMPLE_MS), so that
-    timer resolution and scheduling noise do not dominate sub-millisecond measurements."""
+    timer resolution and scheduling noise do not dominate sub-millisecond measurements. The
+    ranks of a TP ``group`` agree on ``inner`` (the largest), as they must run the same collectives."""
     timer = Timer(device)
     inputs = make_inputs()
     if device == "cuda":
@@ -169,6 +187,10 @@ def measure(module: nn.Module, make_inputs: Callable[[], tuple], device: str, wa
         memory = float(saved[0])
     _loss(out).backward()
     inner = max(1, math.ceil(MIN_SAMPLE_MS[device] / max(once, 1e-3)))
+    if group is not None:
+        agreed = torch.tensor([inner])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        inner = int(agreed.item())
     fwd, bwd = [], []
     for i in range(warmup + repeats):
         batches = [make_inputs() for _ in range(inner)]
@@ -197,38 +219,52 @@ class _Head(nn.Module):
 
 
 def jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: Grid, dtype: torch.dtype,
-         device: str) -> Iterator[tuple[str, dict[str, int], bool, Callable[[], nn.Module], Callable[[], tuple]]]:
+         device: str, mesh: Any = None) -> Iterator[tuple[str, dict[str, int], bool, Callable[[], nn.Module],
+                                                         Callable[[], tuple]]]:
     """(phase, shape, holdout, module factory, input factory) of everything to measure.
 
+    With a TP ``mesh`` the blocks are whole and split over it, and the fixed parts whole (the
+    backend's modules); without one, a TP degree's modules are one shard, as wide as a rank's.
     Shapes come in order of size, held-out ones among their neighbours, so that a machine
     whose speed drifts during the run biases the held-out error as little as it can."""
     opts = {"dtype": dtype, "device": device}
+    width = 1 if mesh is not None else tp
+    """The TP degree a module is built for: its shard's width."""
 
     def tensor(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, **opts, requires_grad=True)
 
+    def block(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        if mesh is None:
+            return make
+
+        def split() -> nn.Module:
+            module = make()
+            split_blocks([module], mesh)
+            return module
+        return split
+
     if kind == "llm":
-        h = spec.hidden
+        h, vocab = spec.hidden, shard(spec.vocab, width, "vocabulary entries")
         shapes = [(t, s, False) for t in grid.tokens for s in grid.seq if s <= t]
         shapes = sorted(shapes + [(t, s, True) for t, s in grid.holdout_llm])
         for tokens, seq, holdout in shapes:
             lengths = [seq] * (tokens // seq) + ([tokens % seq] if tokens % seq else [])
             positions, cu = pack(lengths, device)
             yield ("block", {"tokens": tokens, "seq": seq}, holdout,
-                   lambda: DecoderBlock(spec, tp).to(**opts),
+                   block(lambda: DecoderBlock(spec, width).to(**opts)),
                    lambda t=tokens, p=positions, c=cu: (tensor(t, h), p, c))
         for tokens in sorted({t for t, _, _ in shapes}):
             holdout = tokens not in grid.tokens
-            yield ("embed", {"tokens": tokens}, holdout,
-                   lambda: nn.Embedding(shard(spec.vocab, tp, "vocabulary entries"), h).to(**opts),
-                   lambda t=tokens: (torch.randint(0, spec.vocab // tp, (t,), device=device),))
-            yield ("head", {"tokens": tokens}, holdout, lambda: _Head(spec, tp).to(**opts),
-                   lambda t=tokens: (tensor(t, h), torch.randint(0, spec.vocab // tp, (t,), device=device)))
+            yield ("embed", {"tokens": tokens}, holdout, lambda: nn.Embedding(vocab, h).to(**opts),
+                   lambda t=tokens: (torch.randint(0, vocab, (t,), device=device),))
+            yield ("head", {"tokens": tokens}, holdout, lambda: _Head(spec, width).to(**opts),
+                   lambda t=tokens: (tensor(t, h), torch.randint(0, vocab, (t,), device=device)))
         return
     side = spec.image_size // spec.patch_size
     shapes = sorted([(t, False) for t in grid.tiles] + [(t, True) for t in grid.holdout_tiles])
     for tiles, holdout in shapes:
-        yield ("block", {"tiles": tiles}, holdout, lambda: VisionBlock(spec, tp).to(**opts),
+        yield ("block", {"tiles": tiles}, holdout, block(lambda: VisionBlock(spec, width).to(**opts)),
                lambda n=tiles: (tensor(n, side * side, spec.hidden),))
         yield ("embed", {"tiles": tiles}, holdout, lambda: PatchEmbed(spec).to(**opts),
                lambda n=tiles: (tensor(n, 3, spec.image_size, spec.image_size),))
@@ -261,10 +297,15 @@ class Request:
 
 
 def check_request(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
-                  grid: str | None = None, llm: str | None = None, processes: int = 1) -> Request:
+                  grid: str | None = None, llm: str | None = None, processes: int = 1,
+                  tps: tuple[int, ...] = (1,)) -> Request:
     if processes > 1 and device != "cpu":
         raise DflopError(f"--processes {processes}: lock-step processes share one device only on cpu; on cuda "
                          "every rank has its own GPU (use --processes 1)")
+    for tp in tps:
+        if processes > 1 and tp > 1 and processes % tp:
+            raise DflopError(f"--tp {tp}: lock-step processes run TP {tp} in real groups of {tp}, so --processes "
+                             f"must be a multiple of it (got {processes})")
     kind, spec = resolve(name)
     pair = None
     if kind == "encoder":
@@ -284,22 +325,47 @@ def check_request(name: str, out: str | Path, *, device: str = "cpu", dtype: str
 
 BARRIER_TIMEOUT_S = 1800.0
 """How long lock-step processes wait for each other at one shape before giving up (a twin died)."""
+COLLECTIVE_TIMEOUT_S = 300.0
+"""How long a TP group's collective waits for a peer: one op's skew, far below a shape's time."""
 
 
-def _todo(r: Request, tps: tuple[int, ...], device: str) -> list:
-    return [(tp, job) for tp in tps for job in jobs(r.kind, r.spec, r.pair, tp, r.grid, r.torch_dtype, device)]
+def _todo(r: Request, tps: tuple[int, ...], device: str, meshes: dict[int, Any]) -> list:
+    return [(tp, job) for tp in tps
+            for job in jobs(r.kind, r.spec, r.pair, tp, r.grid, r.torch_dtype, device, meshes.get(tp))]
+
+
+def _join(store: Any, rank: int, processes: int, tps: tuple[int, ...]) -> dict[int, Any]:
+    """Join the lock-step processes' gloo group; per TP degree > 1 this process's TP group, the
+    processes split into consecutive groups of ``tp`` (every process makes every mesh, in the same
+    order: making one is collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=processes,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return {tp: init_device_mesh("cpu", (processes // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+            for tp in tps if tp > 1}
 
 
 def _twin(name: str, out: str, options: dict[str, Any], tps: tuple[int, ...], indices: list[int],
-          warmup: int, repeats: int, barrier: Any) -> None:
-    """A process that measures the same shapes as the recording one, at the same time, and keeps nothing."""
+          warmup: int, repeats: int, barrier: Any, rank: int, port: int | None) -> None:
+    """A process that measures the same shapes as the recording one, at the same time, and keeps nothing
+    (with ``port``, in TP groups with it)."""
     r = check_request(name, out, **options)
-    todo = _todo(r, tps, options["device"])
+    meshes = {}
+    if port is not None:
+        barrier.wait(BARRIER_TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", port, barrier.parties, is_master=False,
+                              timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        meshes = _join(store, rank, barrier.parties, tps)
+    todo = _todo(r, tps, options["device"], meshes)
     torch.manual_seed(0)
     for i in indices:
-        _, (_, _, _, make_module, make_inputs) = todo[i]
+        tp, (_, _, _, make_module, make_inputs) = todo[i]
+        module = make_module()  # before the barrier, as the recording process: splitting a block is collective
         barrier.wait(BARRIER_TIMEOUT_S)
-        measure(make_module(), make_inputs, options["device"], warmup, repeats)
+        measure(module, make_inputs, options["device"], warmup, repeats, meshes[tp].get_group() if tp in meshes else None)
+    if port is not None:
+        dist.destroy_process_group()
 
 
 def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
@@ -307,62 +373,85 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
                   warmup: int = WARMUP, repeats: int | None = None, processes: int = 1,
                   progress: Progress | None = None) -> ProfileReport:
     options = {"device": device, "dtype": dtype, "grid": grid, "llm": llm}
-    r = check_request(name, out, processes=processes, **options)
+    r = check_request(name, out, processes=processes, tps=tps, **options)
     repeats = repeats or REPEATS[device]
-    done = {record_key(rec) for rec in r.store.read()}
-    todo = _todo(r, tps, device)
+    comm = TPComm.MEASURED if processes > 1 else TPComm.MODELLED
+    done = {record_key(rec) for rec in r.store.read() if tp_comm_of(rec) in (None, comm)}
     where = device_name(device)
     base = {"device": where, "module": r.kind, "model": r.spec.name, "dtype": r.dtype}
-    records = [{**base, "tp": tp, "phase": phase, "shape": shape} for tp, (phase, shape, *_) in todo]
+    records = [{**base, "tp": tp, "phase": phase, "shape": shape,
+                **({"tp_comm": comm.value} if tp > 1 else {})}
+               for tp, (phase, shape, *_) in _todo(r, tps, device, {})]
     pending = [i for i, rec in enumerate(records) if record_key(rec) not in done]
     waiting = set(pending)
-    report = ProfileReport(0, len(todo) - len(pending), r.store.path)
-    with _lock_step(processes, name, str(out), options, tps, pending, warmup, repeats) as barrier:
+    report = ProfileReport(0, len(records) - len(pending), r.store.path)
+    with _lock_step(processes, name, str(out), options, tps, pending, warmup, repeats) as (barrier, meshes):
         torch.manual_seed(0)
-        for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(todo):
+        for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(_todo(r, tps, device, meshes)):
             if progress is not None:
-                progress(f"{r.spec.name} tp{tp} {phase} {shape}", index, len(todo))
+                progress(f"{r.spec.name} tp{tp} {phase} {shape}", index, len(records))
             if index not in waiting:
                 continue
             module = make_module()
             if barrier is not None:
                 barrier.wait(BARRIER_TIMEOUT_S)
-            figures = measure(module, make_inputs, device, warmup, repeats)
+            group = meshes[tp].get_group() if tp in meshes else None
+            figures = measure(module, make_inputs, device, warmup, repeats, group)
             r.store.append({**records[index], **figures, "holdout": holdout, "repeats": repeats,
                             "torch": torch.__version__, "threads": torch.get_num_threads(), "processes": processes,
                             "measured_at": datetime.now(timezone.utc).isoformat()})
             report.measured += 1
     if progress is not None:
-        progress(f"{r.spec.name} done", len(todo), len(todo))
+        progress(f"{r.spec.name} done", len(records), len(records))
     return report
 
 
 @contextmanager
 def _lock_step(processes: int, name: str, out: str, options: dict[str, Any], tps: tuple[int, ...],
-               pending: list[int], warmup: int, repeats: int) -> Iterator[Any]:
-    """``processes - 1`` twins measuring ``pending`` alongside this process, and the barrier they share
-    (None when measuring alone). A twin that dies breaks the barrier: the run stops with an error, and
-    what was recorded stays in the store."""
+               pending: list[int], warmup: int, repeats: int) -> Iterator[tuple[Any, dict[int, Any]]]:
+    """``processes - 1`` twins measuring ``pending`` alongside this process, the barrier they share
+    (None when measuring alone) and, with TP degrees > 1, this process's TP group per degree. A twin
+    that dies breaks the barrier (or the group's collective): the run stops with an error, and what
+    was recorded stays in the store."""
     if processes <= 1 or not pending:
-        yield None
+        yield None, {}
         return
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(processes)
-    twins = [ctx.Process(target=_twin, args=(name, out, options, tps, pending, warmup, repeats, barrier), daemon=True)
-             for _ in range(processes - 1)]
+    store = None
+    if any(tp > 1 for tp in tps):  # rank 0's store, on a port the OS picks
+        store = dist.TCPStore("127.0.0.1", 0, processes, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    port = store.port if store is not None else None
+    twins = [ctx.Process(target=_twin, args=(name, out, options, tps, pending, warmup, repeats, barrier, rank, port),
+                         daemon=True) for rank in range(1, processes)]
     for t in twins:
         t.start()
     done = threading.Event()
     threading.Thread(target=_abort_when_a_twin_dies, args=(twins, barrier, done), daemon=True).start()
+    joined = False
     try:
-        yield barrier
-    except threading.BrokenBarrierError:
+        meshes = {}
+        if store is not None:
+            barrier.wait(BARRIER_TIMEOUT_S)  # every twin started: joining the group cannot wait on a dead one
+            meshes, joined = _join(store, 0, processes, tps), True
+        yield barrier, meshes
+    except RuntimeError as exc:  # BrokenBarrierError is one
+        collective = isinstance(exc, dist.DistError) or "gloo" in str(exc)
+        if not collective and not isinstance(exc, threading.BrokenBarrierError):
+            raise  # this process's own failure, not its peers'
+        for t in twins:
+            t.join(timeout=5)  # a twin that failed has its exit code by then
         codes = [t.exitcode for t in twins if t.exitcode not in (None, 0)]
-        raise DflopError(f"--processes {processes}: a lock-step profiling process stopped"
-                         + (f" (exit code {codes[0]})" if codes else "") + "; the shapes measured so far are kept "
-                         f"in {out}") from None
+        why = f" (exit code {codes[0]})" if codes else ""
+        if collective and not codes:
+            why = f" (a TP group's collective failed: {str(exc).splitlines()[0]})"
+        raise DflopError(f"--processes {processes}: a lock-step profiling process stopped{why}; the shapes "
+                         f"measured so far are kept in {out}") from None
     finally:
         done.set()
+        if joined:
+            dist.destroy_process_group()
         for t in twins:
             t.join(timeout=5)
             if t.is_alive():
