@@ -346,6 +346,11 @@ def _join(store: Any, rank: int, processes: int, tps: tuple[int, ...]) -> dict[i
             for tp in tps if tp > 1}
 
 
+def _group(meshes: dict[int, Any], tp: int) -> Any:
+    """The process group of this process's TP group of degree ``tp`` (None: measured alone)."""
+    return meshes[tp].get_group() if tp in meshes else None
+
+
 def _twin(name: str, out: str, options: dict[str, Any], tps: tuple[int, ...], indices: list[int],
           warmup: int, repeats: int, barrier: Any, rank: int, port: int | None) -> None:
     """A process that measures the same shapes as the recording one, at the same time, and keeps nothing
@@ -363,7 +368,7 @@ def _twin(name: str, out: str, options: dict[str, Any], tps: tuple[int, ...], in
         tp, (_, _, _, make_module, make_inputs) = todo[i]
         module = make_module()  # before the barrier, as the recording process: splitting a block is collective
         barrier.wait(BARRIER_TIMEOUT_S)
-        measure(module, make_inputs, options["device"], warmup, repeats, meshes[tp].get_group() if tp in meshes else None)
+        measure(module, make_inputs, options["device"], warmup, repeats, _group(meshes, tp))
     if port is not None:
         dist.destroy_process_group()
 
@@ -395,8 +400,7 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
             module = make_module()
             if barrier is not None:
                 barrier.wait(BARRIER_TIMEOUT_S)
-            group = meshes[tp].get_group() if tp in meshes else None
-            figures = measure(module, make_inputs, device, warmup, repeats, group)
+            figures = measure(module, make_inputs, device, warmup, repeats, _group(meshes, tp))
             r.store.append({**records[index], **figures, "holdout": holdout, "repeats": repeats,
                             "torch": torch.__version__, "threads": torch.get_num_threads(), "processes": processes,
                             "measured_at": datetime.now(timezone.utc).isoformat()})
