@@ -1,6 +1,6 @@
 """Real speedup: dflop's balanced bins against the data-blind rules, measured on the torch backend.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_real_speedup.py [--rounds 4] [--mix video-heavy]
+Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_real_speedup.py [--rounds 7] [--mix video-heavy]
 
 Tiny SigLIP- and Qwen2.5-shaped models on 2 local CPU processes (gloo, one thread
 each). For each plan, every global batch is cut four ways: dflop's scheduler
@@ -10,8 +10,10 @@ launch on the same processes, interleaved batch by batch (batch 1 under every ru
 then batch 2, ...), so that the machine's drift hits every arm alike; the first
 round is a warm-up and is not counted. It prints each arm's measured step time
 (the step graph plus the optimizer step, which is the same work in every arm), the
-measured speedup of dflop's bins over the arm, and the simulator's predicted
-speedup for the same steps (step graphs only).
+measured speedup of dflop's bins over the arm (total time over the measured
+batches), the range of the per-batch ratios (each batch under the arm against the
+same batch balanced, run seconds apart: the comparison drift disturbs least), and
+the simulator's predicted speedup for the same steps (step graphs only).
 """
 
 from __future__ import annotations
@@ -39,14 +41,15 @@ def main() -> None:
     from dflop.workload import batches
 
     parser = tiny_cpu.parser(__doc__.splitlines()[0], "video-heavy")
-    parser.add_argument("--rounds", type=int, default=4, help="global batches per plan (the first is a warm-up)")
+    parser.add_argument("--rounds", type=int, default=7, help="global batches per plan (the first is a warm-up)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     system, cost, data, note = tiny_cpu.setup(args)
     model = system.model
     print(f"{model.name} on 2 CPU processes, {args.mix}, global batch {args.batch}, {args.rounds - 1} measured "
           f"batches per arm; {note}")
-    print(f"{'plan':<18} {'bins':<16} {'measured step s':>15} {'dflop speedup':>13} {'predicted':>9}")
+    print(f"{'plan':<18} {'bins':<16} {'measured step s':>15} {'dflop speedup':>13} {'per batch':>11} "
+          f"{'predicted':>9}")
     rows = []
     for name, fields in PLANS.items():
         plan = tiny_cpu.plan(fields)
@@ -60,14 +63,17 @@ def main() -> None:
                         if arm == "balanced" else assign(Batching(arm), batch, plan.llm.dp, plan.microbatches))
                 steps.append(ScheduledBatch(batch, bins))
         result = TorchBackend(options=TorchOptions(lr=1e-4)).run(StepRunner(plan, system), steps)
-        measured = np.array([s["step_s"] for s in result.steps]).reshape(args.rounds, len(ARMS))[1:].sum(axis=0)
+        per_batch = np.array([s["step_s"] for s in result.steps]).reshape(args.rounds, len(ARMS))[1:]
+        measured = per_batch.sum(axis=0)
         predicted = np.array(result.extra["predicted_step_time_s"]).reshape(args.rounds, len(ARMS))[1:].sum(axis=0)
         for a, arm in enumerate(ARMS):
+            paired = per_batch[:, a] / per_batch[:, 0]
             row = {"plan": name, "bins": arm, "measured_step_s": measured[a] / (args.rounds - 1),
-                   "speedup": measured[a] / measured[0], "predicted_speedup": predicted[a] / predicted[0]}
+                   "speedup": measured[a] / measured[0], "per_batch": [float(paired.min()), float(paired.max())],
+                   "predicted_speedup": predicted[a] / predicted[0]}
             rows.append(row)
             print(f"{name:<18} {arm:<16} {row['measured_step_s']:15.3f} {row['speedup']:12.2f}x "
-                  f"{row['predicted_speedup']:8.2f}x", flush=True)
+                  f"{paired.min():5.2f}-{paired.max():4.2f}x {row['predicted_speedup']:8.2f}x", flush=True)
         strongest = min(rows[-len(ARMS) + 1:], key=lambda r: r["measured_step_s"])
         print(f"{name:<18} over the strongest data-blind rule ({strongest['bins']}): {strongest['speedup']:.2f}x "
               f"measured, {strongest['predicted_speedup']:.2f}x predicted")
