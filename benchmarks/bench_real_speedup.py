@@ -42,7 +42,6 @@ def main() -> None:
 
     parser = tiny_cpu.parser(__doc__.splitlines()[0], "video-heavy")
     parser.add_argument("--rounds", type=int, default=7, help="global batches per plan (the first is a warm-up)")
-    parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     system, cost, data, note = tiny_cpu.setup(args)
     model = system.model

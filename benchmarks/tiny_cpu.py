@@ -13,6 +13,7 @@ def parser(description: str, mix: str) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--mix", default=mix)
     p.add_argument("--profiles", action="append", default=[], help="profile store folder(s)")
+    p.add_argument("--json", help="also write the figures here")
     return p
 
 

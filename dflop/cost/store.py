@@ -55,7 +55,7 @@ def _problem(record: Any) -> str | None:
         return "field 'module' must be 'encoder' or 'llm'"
     if not isinstance(record.get("tp"), int) or record["tp"] < 1:
         return "field 'tp' must be an integer >= 1"
-    if record.get("tp_comm", "modelled") not in {c.value for c in TPComm}:
+    if record.get("tp_comm", TPComm.MODELLED.value) not in {c.value for c in TPComm}:
         return f"field 'tp_comm' must be one of {', '.join(c.value for c in TPComm)}"
     shape = record.get("shape")
     if not isinstance(shape, dict) or not shape or not all(_finite(v) for v in shape.values()):
