@@ -75,8 +75,10 @@ def test_inflating_a_modality_slows_only_those_samples():
 def test_correction_approaches_the_oracle():
     data = profile_mix("llava-ov", 6000, MODEL.encoder, seed=0).samples
     plan = PLANS[0]
-    study = correction_study(plan=plan, system=SYSTEM,
-                             batches=batches(data, 128, seed=3), steps=12, slowdown={"video": 1.3})
+    # A deterministic partitioner: the ILP under a time limit returns whatever it reached in that
+    # time, so the bins, the observations and the learned ratios would follow the machine's speed.
+    study = correction_study(plan=plan, system=SYSTEM, batches=batches(data, 128, seed=3), steps=12,
+                             slowdown={"video": 1.3}, solver="kk")
     skip = 6  # after the warm-up and the first decision
     predicted, corrected, oracle = (study.mean(m, skip) for m in ("predicted", "corrected", "oracle"))
     assert predicted > oracle * 1.003                      # trusting the predictions costs time
