@@ -1,6 +1,7 @@
 """The simulator against closed forms, invariants, and the other evaluators."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from dflop.cost import AnalyticalCostModel, System
+from dflop.program.actions import Kind
 from dflop.program.costing import stage_times_timing
 from dflop.program.costs import graph_costs, longest_path
 from dflop.program.evaluate import evaluate, summarize
@@ -19,6 +21,7 @@ from dflop.program.template import build_template
 from dflop.sim import execute, simulate_pipeline
 from dflop.sim.simulate import simulate_steps
 from dflop.specs import ModulePlan, Plan, TrainingSpec
+from dflop.specs.plan import Module
 from dflop.workload import profile_mix
 
 US = 1e-6  # times drawn as whole microseconds convert to exact nanoseconds
@@ -164,6 +167,52 @@ def test_three_evaluators_agree_on_full_plans(model, cluster, builder_setup, pla
     crowded = execute(step.graph, step.costs, contention=True)
     assert crowded.makespan >= fast.step_ns
     assert_valid_execution(step.graph, step.costs, crowded.start, crowded.end, contention=True)
+
+
+# One replica each: a gradient reduction would slow the backward it overlaps, which differs
+# between a schedule and its unsplit twin.
+split_plans = st.one_of(
+    st.builds(lambda epp, lpp, m: Plan(encoder=ModulePlan(pp=epp), llm=ModulePlan(tp=2, pp=lpp), microbatches=m,
+                                       schedule="ZBH1"),
+              st.integers(1, 2), st.integers(1, 3), st.integers(1, 6)),
+    st.builds(lambda pp, r, name: Plan(
+        encoder=ModulePlan(tp=2), llm=ModulePlan(tp=2, pp=pp), placement="colocated",
+        microbatches=pp * r, schedule=name, virtual_stages=1 if name == "ZBH1" else 2),
+        st.integers(1, 3), st.integers(1, 3), st.sampled_from(["ZBH1", "InterleavedZeroBubble", "ZBVZeroBubble"])))
+
+
+@given(split_plans, st.integers(0, 10_000))
+def test_a_stage_whose_inputs_need_no_gradient_runs_its_whole_backward_in_w(model, cluster, builder_setup, plan,
+                                                                            seed):
+    """As torch.distributed.pipelining runs a first stage (and the torch backend with it): nothing
+    goes upstream, so I is empty and W is the whole backward; everywhere else I + W is the B the
+    unsplit schedule runs on the same bins."""
+    system, prof = builder_setup
+    assume(not plan.problems(cluster, model, 128))
+    batch = prof.sample(64, np.random.default_rng(seed))
+    # Text-only samples first, in whole bins: some LLM bins get no image (nothing over the bridge).
+    assignment = np.empty(64, dtype=np.int64)
+    assignment[np.argsort(batch.tiles > 0, kind="stable")] = np.arange(64) * plan.bins // 64
+    timing = StepRunner(plan, system).step(0, batch, assignment).timing
+    twin = "1F1B" if plan.virtual_stages == 1 else "Interleaved1F1B"  # the same stages, backward unsplit
+    unsplit = StepRunner(replace(plan, schedule=twin), system).step(0, batch, assignment).timing
+
+    def durations(t, kind):
+        return {(t.template.groups[op.group].module, op.stage, op.action.microbatch): t.duration[op.index]
+                for op in t.template.ops if op.action.kind is kind}
+
+    i, w, b = durations(timing, Kind.I), durations(timing, Kind.W), durations(unsplit, Kind.B)
+    tiles = np.bincount(assignment, weights=batch.tiles, minlength=plan.bins).reshape(plan.llm.dp, -1)
+    assert i.keys() == w.keys() == b.keys()
+    for (module, stage, k), seconds in i.items():
+        if stage > 0:
+            none = np.zeros_like(seconds, dtype=bool)
+        elif module is Module.ENCODER or plan.colocated:
+            none = np.ones_like(seconds, dtype=bool)
+        else:
+            none = tiles[:, k] == 0
+        assert ((seconds == 0) == none).all()
+        assert np.abs(seconds + w[(module, stage, k)] - b[(module, stage, k)]).max() <= 1  # ns rounding
 
 
 def test_disaggregated_default_model_simulates_with_bridge_and_allreduce(model, cluster, builder_setup):

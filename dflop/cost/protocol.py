@@ -9,7 +9,7 @@ answers it can drive them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -91,6 +91,13 @@ class StageCost:
                          self.bwd_weight + other.bwd_weight, self.act_bytes + other.act_bytes,
                          self.flops + other.flops, np.maximum(self.transient_bytes, other.transient_bytes),
                          self.recompute_flops + other.recompute_flops)
+
+    def backward_in_weight_step(self, where: Array = True) -> "StageCost":
+        """The stage with nothing to send upstream (its inputs need no gradient) where ``where``
+        holds: its input-gradient step (I) is empty and its weight step (W) runs the whole
+        backward, as torch.distributed.pipelining runs a first stage."""
+        return replace(self, bwd_input=np.where(where, 0.0, self.bwd_input),
+                       bwd_weight=np.where(where, self.bwd, self.bwd_weight))
 
     def scaled(self, factor: Array) -> "StageCost":
         """Time scaled by ``factor`` (bytes and FLOPs unchanged)."""

@@ -235,6 +235,17 @@ class _Costing:
             parts["encoder"] = b.cost.stage_cost(enc, WorkShape(self.bins.samples, self.bins.tiles))
         return parts
 
+    def needs_no_input_grad(self, module: str, stage: int) -> np.ndarray | bool:
+        """Where a module-local stage's inputs need no gradient, per (replica, microbatch): the
+        pipeline's first stage (pixels in: the encoder's, or a colocated LLM's with the encoder
+        inside), and a disaggregated LLM's first stage on bins without images (the bridge brings
+        it nothing). The runtime then runs that stage's whole backward in its W step."""
+        if stage != 0:
+            return False
+        if module == "encoder" or self.b.t.colocated:
+            return True
+        return self.bins.tiles == 0
+
     def boundary_bytes(self, module: str) -> np.ndarray:
         """Activation (or gradient) bytes between two stages of a module, per (replica, microbatch)."""
         b = self.b.training.activation_bytes
@@ -248,13 +259,16 @@ class _Costing:
         whole stage ('all') and, where FSDP needs them apart, by module."""
         fields = ("fwd", "bwd", "bwd_input", "bwd_weight", "act_bytes", "transient_bytes", "flops",
                   "recompute_flops")
+        shape = (g.replicas, self.b.m)
         out = {}
         for s in g.stages:
-            parts = self.stage_parts(g.module, s, g.tp)
+            deferred = self.needs_no_input_grad(g.module, s)
+            parts = {key: c.backward_in_weight_step(deferred) for key, c in self.stage_parts(g.module, s, g.tp).items()}
             whole = sum(parts.values(), StageCost(0.0, 0.0, 0.0, 0.0, 0.0))
             named = {"all": whole, **(parts if self.b.comm[g.index] and self.b.comm[g.index].units else {})}
-            out[s] = {key: {f: np.broadcast_to(np.asarray(getattr(c, f), dtype=float), (g.replicas, self.b.m))
-                            for f in fields} for key, c in named.items()}
+            out[s] = {key: {f: np.broadcast_to(np.asarray(getattr(c, f), dtype=float), shape) for f in fields}
+                      for key, c in named.items()}
+            out[s]["all"]["deferred"] = np.broadcast_to(np.asarray(deferred, dtype=float), shape)
         return out
 
     def _group(self, g, ops: list, slowdown: float) -> dict[str, np.ndarray]:
@@ -277,10 +291,13 @@ class _Costing:
                 cols = mb[rows]
                 out["seconds"][rows] = c[field][:, cols].T
                 out["act"][rows] = c["act_bytes"][:, cols].T
-                out["flops"][rows] = c["flops"][:, cols].T * (2.0 if k is Kind.B else 1.0)
-                if k in (Kind.B, Kind.I):
-                    out["transient"][rows] = c["transient_bytes"][:, cols].T
-                    out["recompute"][rows] = c["recompute_flops"][:, cols].T
+                deferred = c["deferred"][:, cols].T
+                out["flops"][rows] = c["flops"][:, cols].T * {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0 - deferred,
+                                                              Kind.W: 1.0 + deferred}[k]
+                if k is not Kind.F:  # the op that runs the backward through the inputs holds its peak
+                    share = {Kind.B: 1.0, Kind.I: 1.0 - deferred, Kind.W: deferred}[k]
+                    out["transient"][rows] = c["transient_bytes"][:, cols].T * share
+                    out["recompute"][rows] = c["recompute_flops"][:, cols].T * share
                 if units is not None and k in (Kind.F, Kind.B):
                     phase = "fwd" if k is Kind.F else "bwd"
                     compute = {name: part[phase][:, cols].T for name, part in tab.items() if name != "all"}
