@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -79,9 +80,14 @@ def _text_table(columns: list[str], rows: list[list[Any]]) -> str:
 # ---- running them ------------------------------------------------------------------------------
 
 def _options(script: Path) -> set[str]:
-    """The report's options a benchmark takes, read from its source (running --help could run it):
-    both when it builds its parser with :func:`arguments`."""
+    """The report's options a benchmark takes, read from its source and from the modules beside it
+    that it imports (a parser they share), since running --help could run it: both when it
+    builds its parser with :func:`arguments`."""
     text = script.read_text()
+    for name in set(re.findall(r"^\s*(?:import|from)\s+(\w+)", text, re.MULTILINE)) - {script.stem}:
+        sibling = script.parent / f"{name}.py"
+        if sibling.is_file():
+            text += sibling.read_text()
     if "from report import" in text and "arguments(" in text:
         return {"--json", "--quick"}
     return {o for o in ("--json", "--quick") if f'"{o}"' in text or f"'{o}'" in text}

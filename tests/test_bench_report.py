@@ -26,12 +26,15 @@ if args.json:
     json.dump({"rows": [{"things": 42}]}, open(args.json, "w"))  # not the report's schema
 '''
 FAILS = 'import sys\nprint("half done")\nsys.exit(3)\n'
+SHARED_PARSER = 'import argparse\nparser = argparse.ArgumentParser()\nparser.add_argument("--json")\n'
+USES_SHARED = 'import json\nimport shared\nargs = shared.parser.parse_args()\njson.dump({"n": 7}, open(args.json, "w"))\n'
 
 
 def run(folder, *args):
     benches = folder / "benches"
     benches.mkdir(exist_ok=True)
-    for name, text in (("bench_a", WITH_JSON), ("bench_b", PRINTS_ONLY), ("bench_c", FAILS)):
+    for name, text in (("bench_a", WITH_JSON), ("bench_b", PRINTS_ONLY), ("bench_c", FAILS), ("shared", SHARED_PARSER),
+                       ("bench_d", USES_SHARED)):
         (benches / f"{name}.py").write_text(text)
     proc = subprocess.run([sys.executable, str(REPORT), "--benchmarks", str(benches), "--out", str(folder / "out"),
                            *args], capture_output=True, text=True, timeout=120)
@@ -52,6 +55,8 @@ def test_report_from_every_benchmark(tmp_path):
     b = json.loads((out / "results" / "bench_b.json").read_text())
     assert b["data"] == {"rows": [{"things": 42}]} and b["tables"] == [] and b["title"] == "bench_b"
     assert "failed with exit status 3" in text and "half done" in text
+    assert json.loads((out / "results" / "bench_d.json").read_text())["data"] == {"n": 7}  # --json via its import
+    assert "shared" not in {p.stem for p in (out / "results").glob("*.json")}
     machine = json.loads((out / "results" / "machine.json").read_text())
     assert f"{machine['cpus']} CPUs" in text and f"torch {machine['torch']}" in text and machine["date"] in text
 
