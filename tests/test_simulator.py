@@ -21,7 +21,7 @@ from dflop.program.template import build_template
 from dflop.sim import execute, simulate_pipeline
 from dflop.sim.simulate import simulate_steps
 from dflop.specs import ModulePlan, Plan, TrainingSpec
-from dflop.specs.plan import Module
+from dflop.specs.plan import Module, Recompute
 from dflop.workload import profile_mix
 
 US = 1e-6  # times drawn as whole microseconds convert to exact nanoseconds
@@ -178,7 +178,8 @@ split_plans = st.one_of(
     st.builds(lambda pp, r, name: Plan(
         encoder=ModulePlan(tp=2), llm=ModulePlan(tp=2, pp=pp), placement="colocated",
         microbatches=pp * r, schedule=name, virtual_stages=1 if name == "ZBH1" else 2),
-        st.integers(1, 3), st.integers(1, 3), st.sampled_from(["ZBH1", "InterleavedZeroBubble", "ZBVZeroBubble"])))
+        st.integers(1, 3), st.integers(1, 3), st.sampled_from(["ZBH1", "InterleavedZeroBubble", "ZBVZeroBubble"])),
+).flatmap(lambda plan: st.sampled_from([replace(plan, recompute=r) for r in Recompute]))
 
 
 @given(split_plans, st.integers(0, 10_000))
@@ -197,11 +198,14 @@ def test_a_stage_whose_inputs_need_no_gradient_runs_its_whole_backward_in_w(mode
     twin = "1F1B" if plan.virtual_stages == 1 else "Interleaved1F1B"  # the same stages, backward unsplit
     unsplit = StepRunner(replace(plan, schedule=twin), system).step(0, batch, assignment).timing
 
-    def durations(t, kind):
-        return {(t.template.groups[op.group].module, op.stage, op.action.microbatch): t.duration[op.index]
+    def by_op(t, kind, field="duration"):
+        return {(t.template.groups[op.group].module, op.stage, op.action.microbatch): getattr(t, field)[op.index]
                 for op in t.template.ops if op.action.kind is kind}
 
-    i, w, b = durations(timing, Kind.I), durations(timing, Kind.W), durations(unsplit, Kind.B)
+    i, w, b = by_op(timing, Kind.I), by_op(timing, Kind.W), by_op(unsplit, Kind.B)
+    i_flops, w_flops = by_op(timing, Kind.I, "hw_flops"), by_op(timing, Kind.W, "hw_flops")
+    assert all(np.allclose(i_flops[key] + w_flops[key], value)  # recomputation included
+               for key, value in by_op(unsplit, Kind.B, "hw_flops").items())
     tiles = np.bincount(assignment, weights=batch.tiles, minlength=plan.bins).reshape(plan.llm.dp, -1)
     assert i.keys() == w.keys() == b.keys()
     for (module, stage, k), seconds in i.items():
