@@ -190,10 +190,11 @@ def test_a_stage_whose_inputs_need_no_gradient_runs_its_whole_backward_in_w(mode
     unsplit schedule runs on the same bins."""
     system, prof = builder_setup
     assume(not plan.problems(cluster, model, 128))
-    batch = prof.sample(64, np.random.default_rng(seed))
-    # Text-only samples first, in whole bins: some LLM bins get no image (nothing over the bridge).
-    assignment = np.empty(64, dtype=np.int64)
-    assignment[np.argsort(batch.tiles > 0, kind="stable")] = np.arange(64) * plan.bins // 64
+    pool = prof.sample(2000, np.random.default_rng(seed))
+    # 16 text-only samples first, then 48 with images, in whole bins: bin 0 gets no image (the
+    # bridge brings a disaggregated LLM nothing there), the others do.
+    batch = pool.take(np.concatenate([np.flatnonzero(pool.tiles == 0)[:16], np.flatnonzero(pool.tiles > 0)[:48]]))
+    assignment = np.arange(64) * plan.bins // 64
     timing = StepRunner(plan, system).step(0, batch, assignment).timing
     twin = "1F1B" if plan.virtual_stages == 1 else "Interleaved1F1B"  # the same stages, backward unsplit
     unsplit = StepRunner(replace(plan, schedule=twin), system).step(0, batch, assignment).timing
@@ -215,8 +216,9 @@ def test_a_stage_whose_inputs_need_no_gradient_runs_its_whole_backward_in_w(mode
             none = np.ones_like(seconds, dtype=bool)
         else:
             none = tiles[:, k] == 0
-        assert ((seconds == 0) == none).all()
-        assert np.abs(seconds + w[(module, stage, k)] - b[(module, stage, k)]).max() <= 1  # ns rounding
+        whole = b[(module, stage, k)]
+        assert (seconds[none] == 0).all() and (seconds[~none & (whole > 0)] > 0).all()  # a bin may be empty
+        assert np.abs(seconds + w[(module, stage, k)] - whole).max() <= 1  # ns rounding
 
 
 def test_disaggregated_default_model_simulates_with_bridge_and_allreduce(model, cluster, builder_setup):
