@@ -36,7 +36,12 @@ def test_a_stored_notebook_is_a_document_with_its_outputs(path):
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+MEASURES = {"fidelity"}
+"""Notebooks that hold measured step and op times against predictions (run alone, see the Makefile)."""
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.alone) if p.stem in MEASURES else p
+                                  for p in NOTEBOOKS], ids=[p.stem for p in NOTEBOOKS])
 def test_a_notebook_runs_and_writes_nothing_where_it_runs(path, tmp_path):
     nb = execute_notebooks.execute(path, tmp_path)  # raises on any failing cell or assertion
     assert images(nb)
