@@ -17,9 +17,10 @@ run: $(STAMP)
 
 # Two workers, then alone what compares measured time with a prediction: beside another
 # worker its ranks would outnumber the cores. Exit status 5 is "no test selected" (ARGS).
+PASSED_OR_NONE = rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 2 -m "not alone" $(ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; \
-	$(VENV)/bin/python -m pytest -q -m alone $(ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc
+	$(VENV)/bin/python -m pytest -q -n 2 -m "not alone" $(ARGS); $(PASSED_OR_NONE); \
+	$(VENV)/bin/python -m pytest -q -m alone $(ARGS); $(PASSED_OR_NONE)
 
 # Every benchmark, then benchmarks/REPORT.md and benchmarks/results/*.json (ARGS=--quick: a dry run).
 # One thread per process, as the torch backend's CPU ranks and the shipped CPU profile run.

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dflop.cost import AnalyticalCostModel, System
 from dflop.program.actions import Kind
-from dflop.program.costing import stage_times_timing
+from dflop.program.costing import bin_shapes, stage_times_timing
 from dflop.program.costs import graph_costs, longest_path
 from dflop.program.evaluate import evaluate, summarize
 from dflop.program.overlap import Overlap, with_overlap
@@ -207,7 +207,7 @@ def test_a_stage_whose_inputs_need_no_gradient_runs_its_whole_backward_in_w(mode
     i_flops, w_flops = by_op(timing, Kind.I, "hw_flops"), by_op(timing, Kind.W, "hw_flops")
     assert all(np.allclose(i_flops[key] + w_flops[key], value)  # recomputation included
                for key, value in by_op(unsplit, Kind.B, "hw_flops").items())
-    tiles = np.bincount(assignment, weights=batch.tiles, minlength=plan.bins).reshape(plan.llm.dp, -1)
+    tiles = bin_shapes(batch, assignment, plan.llm.dp, plan.microbatches).tiles
     assert i.keys() == w.keys() == b.keys()
     for (module, stage, k), seconds in i.items():
         if stage > 0:
