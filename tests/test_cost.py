@@ -136,3 +136,16 @@ def test_logits_gradient_is_a_transient_peak_of_the_last_stage(model, h100):
     assert last.transient_bytes == pytest.approx(logits) and inner.transient_bytes == 0
     # Two parts of one stage run their backwards one after the other: transients do not add up.
     assert (last + last).transient_bytes == pytest.approx(logits)
+
+
+@given(tokens=st.integers(1, 30000), share=st.floats(0, 1), tp=st.sampled_from([1, 2, 4]))
+def test_the_head_and_its_logits_are_sized_by_the_positions_that_predict_text(cost, model, tokens, share, tp):
+    """The backend computes logits only where the next token is text of the same sample (image
+    tokens are inputs, never targets); a shape without the split prices every token."""
+    llm, targets = model.llm, round(tokens * share)
+    shape = WorkShape(1, 0, tokens, tokens**2, targets)
+    last, inner = (cost.stage_cost(StageSpec("llm", 2, tp=tp, last=last), shape) for last in (True, False))
+    assert last.flops - inner.flops == pytest.approx(2 * targets * llm.hidden * llm.vocab / tp)
+    assert last.transient_bytes == pytest.approx(targets * llm.vocab * 4 / tp)
+    unsplit = cost.stage_cost(StageSpec("llm", 2, tp=tp, last=True), WorkShape(1, 0, tokens, tokens**2))
+    assert unsplit.flops - inner.flops == pytest.approx(2 * tokens * llm.hidden * llm.vocab / tp)

@@ -3,6 +3,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -178,6 +179,36 @@ def profiled():
 
 
 shape = st.tuples(st.integers(1, 2048), st.integers(1, 2048), st.integers(0, 16))
+
+
+def test_the_last_stage_prices_the_head_on_the_rows_it_runs(profiled):
+    """The backend computes logits only at the positions that predict text, and the head records
+    measure the head on that many rows: a bin of 4096 tokens of which 512 predict text adds the
+    head of 512 rows, not of 4096."""
+    heads = {r["shape"]["tokens"]: r for r in shipped_records()
+             if r["model"] == "tiny-llm" and r["phase"] == "head" and r["tp"] == 1}
+    tokens, rows = 4096, 512
+    shape = WorkShape(1, 0, tokens, tokens * 256, rows)
+    last, inner = (profiled.stage_cost(StageSpec("llm", 1, last=last), shape) for last in (True, False))
+    assert float(last.fwd - inner.fwd) * 1e3 == pytest.approx(heads[rows]["fwd_ms"], rel=0.1)
+    assert float(last.bwd - inner.bwd) * 1e3 == pytest.approx(heads[rows]["bwd_ms"], rel=0.1)
+    every_row = profiled.stage_cost(StageSpec("llm", 1, last=True), replace(shape, targets=None))
+    assert float(every_row.fwd - inner.fwd) * 1e3 == pytest.approx(heads[tokens]["fwd_ms"], rel=0.1)
+
+
+def test_profiled_inputs_take_a_gradient_where_the_backend_s_do():
+    """A stage's backward computes its input's gradient only where that input needs one: not the
+    pixels a patch embedding reads (the first stage's input; computing it would more than triple
+    that backward) nor token ids; the hidden states of blocks, projector and head do."""
+    from dflop.profile.profiler import GRIDS, jobs
+
+    seen = set()
+    for kind, spec in (("encoder", TINY.encoder), ("llm", TINY.llm)):
+        for phase, _, _, _, make_inputs in jobs(kind, spec, TINY, 1, GRIDS["quick"], torch.float32, "cpu"):
+            if (kind, phase) not in seen:
+                seen.add((kind, phase))
+                assert make_inputs()[0].requires_grad == (phase != "embed"), (kind, phase)
+    assert len(seen) == 6
 
 
 @pytest.mark.filterwarnings("ignore:profiled cost model")  # sums may pass the grid: extrapolation is fine here

@@ -5,6 +5,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dflop.backends import ScheduledBatch, get_backend
 from dflop.backends.torch_runtime.backend import RankFailed, TorchBackend
@@ -242,3 +244,20 @@ def test_fp32_gradient_buffers_in_a_16_bit_run_are_refused_naming_the_field(syst
     with pytest.raises(DflopError, match="plan field fp32_grads") as err:
         TorchBackend(options=TorchOptions(dtype="bfloat16"), predict=False).run(StepRunner(plan, system), steps)
     assert "\n" not in str(err.value)
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=8))
+def test_the_cost_model_s_targets_are_the_rows_the_backend_s_head_runs_on(samples):
+    """``SampleTable.targets`` sizes the head's work and logits in the cost model; the backend's
+    packing decides which rows the head actually runs on. They must count alike, per sample and
+    for a packed bin."""
+    import torch
+
+    from dflop.backends.torch_runtime.model import pack_sequence
+
+    image, text = [m for m, _ in samples], [n for _, n in samples]
+    table = SampleTable.build([f"s{i}" for i in range(len(samples))], [0] * len(samples), [0] * len(samples),
+                              text, image)
+    ids = [torch.zeros(n, dtype=torch.long) for n in text]
+    assert [len(pack_sequence([m], [t]).label_rows) for m, t in zip(image, ids)] == table.targets.tolist()
+    assert len(pack_sequence(image, ids).label_rows) == table.targets.sum()

@@ -17,7 +17,8 @@ recomputes them; *selective* drops the norms' outputs and the MLP activation's
 output (a third of a layer's activations) and redoes them in B, which costs
 memory traffic, not FLOPs (three passes over those bytes at HBM bandwidth).
 The last LLM stage holds the fp32 logits until the backward and, for a moment,
-their gradient.
+their gradient; like the backend, it computes them only at the positions that
+predict a text token (image tokens are inputs, never targets).
 """
 
 from __future__ import annotations
@@ -111,11 +112,13 @@ class AnalyticalCostModel:
         cost = self._layers(stage, layer, tokens * llm.hidden, F.llm_layer_activation_elements(llm, tokens),
                             F.llm_layer_selective_elements(llm, tokens))
         if stage.last:
-            # Head input (bf16) and fp32 logits for the loss, vocabulary split over TP; the
-            # logits' gradient (fp32, same size) exists for a moment at the start of the backward.
-            logits = tokens * llm.vocab * 4.0 / tp
-            act = tokens * llm.hidden * b / tp + logits
-            cost = cost + self._extra(F.llm_head_flops(llm, tokens), tp, act, logits)
+            # Head input (bf16) and fp32 logits for the loss, of the positions that predict text,
+            # vocabulary split over TP; the logits' gradient (fp32, same size) exists for a moment
+            # at the start of the backward.
+            rows = np.asarray(shape.head_rows, dtype=float)
+            logits = rows * llm.vocab * 4.0 / tp
+            act = rows * llm.hidden * b / tp + logits
+            cost = cost + self._extra(F.llm_head_flops(llm, rows), tp, act, logits)
         return cost
 
     def _encoder(self, stage: StageSpec, shape: WorkShape) -> StageCost:

@@ -6,7 +6,8 @@ degree, time is fitted as
     t(x) = a + sum_i w_i * min(x, k_i) + w * x  (+ c * sum of squared lengths + s * samples,
                                                   for LLM blocks over packed samples)
 
-with every coefficient >= 0, x the tokens (LLM) or tiles (encoder) and k_i the
+with every coefficient >= 0, x the tokens (LLM; for the head, the positions that predict
+text, the only rows it runs on) or tiles (encoder) and k_i the
 profiled grid points: piecewise linear, increasing, concave in x, and additive
 in the attention term and in the per-sample overhead (a kernel per sample where
 attention is not a single varlen kernel). Those properties are not cosmetic: they keep time
@@ -227,7 +228,8 @@ class ProfiledCostModel:
             bwd = bwd + (ref.bwd_input - plain.bwd_input)
         for phase in extras:
             if (stage.module, phase, 1, "fwd_ms") in self.fits or (stage.module, phase, stage.tp, "fwd_ms") in self.fits:
-                ef, eb, _, em = self._part(stage.module, phase, stage.tp, x)
+                rows = np.asarray(shape.head_rows, dtype=float) if phase == "head" else x  # the head runs on targets
+                ef, eb, _, em = self._part(stage.module, phase, stage.tp, rows)
                 fwd, bwd, weight = fwd + ef, bwd + eb, weight + eb / 2
                 if stage.recompute is not Recompute.FULL:
                     act = act + em

@@ -16,6 +16,7 @@ import numpy as np
 
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Recompute
+from dflop.workload.sample import SampleTable
 
 Array = Any
 
@@ -53,12 +54,30 @@ class WorkShape:
     """LLM tokens, packed."""
     sum_sq: Array = 0
     """Sum over samples of squared LLM lengths (attention grows with each sample's own length)."""
+    targets: Array | None = None
+    """LLM positions that predict a text token (``SampleTable.targets``): the rows the LM head and
+    the loss run on. None: every LLM token, the upper bound for a shape built without the split."""
+
+    @property
+    def head_rows(self) -> Array:
+        return self.tokens if self.targets is None else self.targets
 
     @classmethod
-    def of(cls, tiles: Array, llm_tokens: Array) -> "WorkShape":
-        """The shape of single samples (arrays of per-sample tiles and tokens)."""
-        t = np.asarray(llm_tokens, dtype=float)
-        return cls(samples=np.ones_like(t), tiles=np.asarray(tiles, dtype=float), tokens=t, sum_sq=t * t)
+    def per_sample(cls, batch: SampleTable) -> "WorkShape":
+        """The shape of each sample of ``batch`` on its own (arrays, one entry per sample)."""
+        t = batch.llm_tokens.astype(float)
+        return cls(np.ones_like(t), batch.tiles.astype(float), t, t * t, batch.targets.astype(float))
+
+    def total(self, parts: float = 1.0) -> "WorkShape":
+        """Every entry together in one microbatch, or shared evenly among ``parts`` of them."""
+        targets = None if self.targets is None else np.sum(self.targets) / parts
+        return WorkShape(np.sum(self.samples) / parts, np.sum(self.tiles) / parts, np.sum(self.tokens) / parts,
+                         np.sum(self.sum_sq) / parts, targets)
+
+    def __add__(self, other: "WorkShape") -> "WorkShape":
+        targets = None if self.targets is None and other.targets is None else np.add(self.head_rows, other.head_rows)
+        return WorkShape(np.add(self.samples, other.samples), np.add(self.tiles, other.tiles),
+                         np.add(self.tokens, other.tokens), np.add(self.sum_sq, other.sum_sq), targets)
 
 
 @dataclass(frozen=True)

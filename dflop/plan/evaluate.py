@@ -198,6 +198,7 @@ class Evaluator:
         self.heaviest_tiles = max(float(b.tiles.sum()) for b in batches)
         self.mean_tokens = float(data.llm_tokens.mean())
         self.mean_tiles = float(data.tiles.mean())
+        self.mean_targets = float(data.targets.mean())
         self.max_tokens = float(data.llm_tokens.max())
         self.max_tiles = float(data.tiles.max())
         self._runners: dict[Plan, StepRunner] = {}
@@ -247,7 +248,8 @@ class Evaluator:
             tokens = np.array([b.llm_tokens.sum() for b in shapes], dtype=float)
             sq = np.array([(b.llm_tokens.astype(float) ** 2).sum() for b in shapes])
             tiles = np.array([b.tiles.sum() for b in shapes], dtype=float)
-            c = self.p.cost.stage_cost(spec, WorkShape(self.pool.size, tiles, tokens, sq))
+            targets = np.array([b.targets.sum() for b in shapes], dtype=float)
+            c = self.p.cost.stage_cost(spec, WorkShape(self.pool.size, tiles, tokens, sq, targets))
             self._whole[key] = np.broadcast_to(np.asarray(c.fwd + c.bwd, dtype=float), (n,))
         return self._whole[key]
 

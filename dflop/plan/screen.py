@@ -28,7 +28,8 @@ from dflop.program.template import plan_groups
 from dflop.schedule.batching import Batching
 from dflop.specs.plan import Plan
 
-Shape = tuple[float, float, float, float]
+Shape = tuple[float, float, float, float, float]
+"""A WorkShape's fields, hashable for the cache."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class Screener:
         held = inflight_by_stage(plan.schedule, len(groups) * virtual, plan.microbatches, virtual)
         per_bin = ev.pool.size / plan.bins
         avg_tokens = per_bin * ev.mean_tokens
-        avg = (per_bin, per_bin * ev.mean_tiles, avg_tokens, avg_tokens * ev.mean_tokens)
+        avg = (per_bin, per_bin * ev.mean_tiles, avg_tokens, avg_tokens * ev.mean_tokens, per_bin * ev.mean_targets)
         chunk_avg = ev.pool.size * ev.mean_tiles / (plan.encoder.dp * plan.microbatches)
         rank_time, rank_f, rank_i, rank_w, out, parts = [], [], [], [], [], {}
         for group in groups:
@@ -151,13 +152,13 @@ class Screener:
             specs = [StageSpec.of(module, layers[module], s, tp, plan.recompute) for s in stages]
             f = i = w = 0.0
             for spec in specs:
-                t = self._stage(spec, (1, chunk_avg, 0, 0) if module == "encoder" else avg)
+                t = self._stage(spec, (1, chunk_avg, 0, 0, 0) if module == "encoder" else avg)
                 if module == "llm":
                     parts["llm"] = t
                     if colocated and spec.first:
                         enc = StageSpec("encoder", model.encoder.layers, tp, first=True, last=True,
                                         recompute=plan.recompute)
-                        parts["encoder"] = self._stage(enc, (per_bin, avg[1], 0, 0))
+                        parts["encoder"] = self._stage(enc, (per_bin, avg[1], 0, 0, 0))
                         t = tuple(x + y for x, y in zip(t, parts["encoder"]))
                 f, i, w = f + t[0], i + t[1], w + t[2]
             rank_time.append(f + i + w)

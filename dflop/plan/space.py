@@ -146,6 +146,7 @@ class SpaceBuilder:
         self.enc_tp = _tp_options(self.per_node, model.encoder.heads)
         self.mean_tokens = float(problem.data.llm_tokens.mean())
         self.mean_tiles = float(problem.data.tiles.mean())
+        self.mean_targets = float(problem.data.targets.mean())
         allowed = problem.training.recompute
         self.recompute = tuple(Recompute) if allowed == "auto" else (Recompute(allowed),)
         self._splits: dict[tuple, tuple[int, ...]] = {}
@@ -188,7 +189,8 @@ class SpaceBuilder:
         if key not in self._splits:
             model = self.p.model
             tokens = bin_samples * self.mean_tokens
-            shape = WorkShape(bin_samples, bin_samples * self.mean_tiles, tokens, tokens * self.mean_tokens)
+            shape = WorkShape(bin_samples, bin_samples * self.mean_tiles, tokens, tokens * self.mean_tokens,
+                              bin_samples * self.mean_targets)
             layer = self._time(StageSpec("llm", 1, tp), shape)
             extra = [0.0] * stages
             extra[-1] += self._time(StageSpec("llm", 1, tp, last=True), shape) - layer

@@ -266,8 +266,8 @@ def jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: 
     for tiles, holdout in shapes:
         yield ("block", {"tiles": tiles}, holdout, block(lambda: VisionBlock(spec, width).to(**opts)),
                lambda n=tiles: (tensor(n, side * side, spec.hidden),))
-        yield ("embed", {"tiles": tiles}, holdout, lambda: PatchEmbed(spec).to(**opts),
-               lambda n=tiles: (tensor(n, 3, spec.image_size, spec.image_size),))
+        yield ("embed", {"tiles": tiles}, holdout, lambda: PatchEmbed(spec).to(**opts),  # pixels take no gradient
+               lambda n=tiles: (torch.randn(n, 3, spec.image_size, spec.image_size, **opts),))
         yield ("projector", {"tiles": tiles}, holdout, lambda: Projector(pair).to(**opts),
                lambda n=tiles: (tensor(n, side * side, spec.hidden),))
 

@@ -94,9 +94,10 @@ class BinShapes:
     tiles: np.ndarray
     tokens: np.ndarray
     sum_sq: np.ndarray
+    targets: np.ndarray
 
     def shape(self) -> WorkShape:
-        return WorkShape(self.samples, self.tiles, self.tokens, self.sum_sq)
+        return WorkShape(self.samples, self.tiles, self.tokens, self.sum_sq, self.targets)
 
 
 def bin_shapes(batch: SampleTable, assignment: np.ndarray, replicas: int, microbatches: int) -> BinShapes:
@@ -107,7 +108,8 @@ def bin_shapes(batch: SampleTable, assignment: np.ndarray, replicas: int, microb
     def total(weights: np.ndarray | None) -> np.ndarray:
         return np.bincount(assignment, weights=weights, minlength=n).reshape(replicas, microbatches)
 
-    return BinShapes(total(None), total(batch.tiles.astype(float)), total(tokens), total(tokens * tokens))
+    return BinShapes(total(None), total(batch.tiles.astype(float)), total(tokens), total(tokens * tokens),
+                     total(batch.targets.astype(float)))
 
 
 def stage_param_count(model: MLLMSpec, layers: tuple[int, ...], module: str, stage: int,

@@ -100,20 +100,17 @@ def _heaviest(cost: CostModel, specs: list[StageSpec], avg: WorkShape, sample: W
         t = float(at_avg.fwd + at_avg.bwd)
         if t > best_time:
             best, best_time = spec, t
-    with_sample = cost.stage_cost(best, WorkShape(avg.samples + sample.samples, avg.tiles + sample.tiles,
-                                                  avg.tokens + sample.tokens, avg.sum_sq + sample.sum_sq))
+    with_sample = cost.stage_cost(best, avg + sample)
     return np.maximum(np.asarray(with_sample.fwd + with_sample.bwd, dtype=float) - best_time, 0.0)
 
 
 def plan_costs(batch: SampleTable, plan: Plan, model: MLLMSpec, cost: CostModel) -> np.ndarray:
     """(samples, dimensions) predicted seconds per sample on each balanced dimension."""
-    tokens = batch.llm_tokens.astype(float)
     tiles = batch.tiles.astype(float)
-    k = plan.bins
     llm_layers = plan.stage_layers("llm", model)
     llm_specs = [StageSpec.of("llm", llm_layers, i, plan.llm.tp) for i in range(len(llm_layers))]
-    per_sample = WorkShape(np.ones(len(batch)), tiles, tokens, tokens * tokens)
-    avg = WorkShape(len(batch) / k, tiles.sum() / k, tokens.sum() / k, (tokens * tokens).sum() / k)
+    per_sample = WorkShape.per_sample(batch)
+    avg = per_sample.total(plan.bins)
     if plan.placement == "colocated":
         enc = StageSpec("encoder", model.encoder.layers, plan.llm.tp, first=True, last=True)
         first = _heaviest(cost, [llm_specs[0]], avg, per_sample) + \

@@ -123,6 +123,13 @@ class SampleTable:
     def llm_tokens(self) -> np.ndarray:
         return self.text_tokens + self.image_tokens
 
+    @property
+    def targets(self) -> np.ndarray:
+        """Positions per sample whose next token is text of the same sample: every text token, but a
+        sample's first when it has no image to predict it from. Only these go through the LM head
+        and the loss, so they, not all LLM tokens, size the head's work and its logits."""
+        return np.where(self.image_tokens > 0, self.text_tokens, np.maximum(self.text_tokens - 1, 0))
+
     def take(self, rows: np.ndarray | Sequence[int]) -> "SampleTable":
         idx = np.asarray(rows, dtype=np.int64)
         return SampleTable(self.ids[idx], self.modality[idx], self.tiles[idx],
