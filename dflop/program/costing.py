@@ -30,7 +30,7 @@ from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Plan, place
 from dflop.workload.sample import SampleTable
 
-__all__ = ["NS", "to_ns", "StepTiming", "StepBuilder", "BinShapes", "bin_shapes", "group_state",
+__all__ = ["NS", "to_ns", "StepTiming", "StepBuilder", "bin_shapes", "group_state",
            "stage_times_timing", "stage_param_count"]
 
 
@@ -86,29 +86,16 @@ def stage_times_timing(template: Template, fwd: np.ndarray, bwd_input: np.ndarra
                       [{} for _ in range(n)], [[(g.rank,)] for g in template.groups])
 
 
-@dataclass(frozen=True)
-class BinShapes:
-    """Per-bin totals, arrays of shape (replicas, microbatches)."""
-
-    samples: np.ndarray
-    tiles: np.ndarray
-    tokens: np.ndarray
-    sum_sq: np.ndarray
-    targets: np.ndarray
-
-    def shape(self) -> WorkShape:
-        return WorkShape(self.samples, self.tiles, self.tokens, self.sum_sq, self.targets)
-
-
-def bin_shapes(batch: SampleTable, assignment: np.ndarray, replicas: int, microbatches: int) -> BinShapes:
-    """Totals per bin; bin ``r * microbatches + k`` is replica r's microbatch k."""
+def bin_shapes(batch: SampleTable, assignment: np.ndarray, replicas: int, microbatches: int) -> WorkShape:
+    """The shape of every bin, arrays of shape (replicas, microbatches); bin ``r * microbatches + k``
+    is replica r's microbatch k."""
     n = replicas * microbatches
     tokens = batch.llm_tokens.astype(float)
 
     def total(weights: np.ndarray | None) -> np.ndarray:
         return np.bincount(assignment, weights=weights, minlength=n).reshape(replicas, microbatches)
 
-    return BinShapes(total(None), total(batch.tiles.astype(float)), total(tokens), total(tokens * tokens),
+    return WorkShape(total(None), total(batch.tiles.astype(float)), total(tokens), total(tokens * tokens),
                      total(batch.targets.astype(float)))
 
 
@@ -231,7 +218,7 @@ class _Costing:
         b = self.b
         if module == "encoder":
             return {"encoder": b.cost.stage_cost(b.stage_spec("encoder", stage, tp), self.enc_shape)}
-        parts = {"llm": b.cost.stage_cost(b.stage_spec("llm", stage, tp), self.bins.shape())}
+        parts = {"llm": b.cost.stage_cost(b.stage_spec("llm", stage, tp), self.bins)}
         if stage == 0 and b.t.colocated:
             enc = StageSpec("encoder", b.model.encoder.layers, tp, first=True, last=True, recompute=b.plan.recompute)
             parts["encoder"] = b.cost.stage_cost(enc, WorkShape(self.bins.samples, self.bins.tiles))
