@@ -208,6 +208,66 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
                                    f"max {r['holdout_error']['max']:.1%}"))
 
 
+@profile.command("check")
+@click.option("--profiles", "folders", type=click.Path(path_type=Path), multiple=True,
+              help="Profile store folder to check (repeatable). Default: the profiles that ship with dflop.")
+@click.option("--model", "model_names", multiple=True,
+              help="Model to check (repeatable). Default: every model the profiles hold on this device.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--llm", "pair_llm", default=None, help="For an encoder: the LLM its projector maps into.")
+@click.option("--tokens", type=click.IntRange(min=1), default=None,
+              help="LLMs: measure around microbatches of this many tokens (default: the middle of the grid).")
+@click.option("--tiles", type=click.IntRange(min=1), default=None,
+              help="Encoders: measure around microbatches of this many tiles (default: the middle of the grid).")
+@click.option("--repeats", type=click.IntRange(min=1), default=None, help="Timed repeats per shape (median kept).")
+@json_option
+def profile_check(folders: tuple[Path, ...], model_names: tuple[str, ...], device: str, pair_llm: str | None,
+                  tokens: int | None, tiles: int | None, repeats: int | None, as_json: bool) -> None:
+    """Measure some of a profile's shapes again: how far this machine has moved since it was measured."""
+    from dflop.cli.progress import progress_bar
+    from dflop.cost.store import load_records
+    from dflop.profile.drift import measure_drift, overall_ratio
+    from dflop.profile.profiler import device_name, resolve
+
+    for folder in folders:
+        if not folder.is_dir():
+            raise DflopError(f"--profiles {folder}: not a folder")
+    records = load_records(folders, log, shipped=not folders)
+    where = device_name(device)
+    names = model_names or tuple(sorted({r["model"] for r in records if r["device"] == where}))
+    if not names:
+        raise DflopError(f"--profiles: no records measured on {where}")
+    drifts = []
+    for name in names:
+        near = tokens if resolve(name)[0] == "llm" else tiles
+        with progress_bar(f"checking {name}", "shapes") as progress:
+            drifts.append(measure_drift(records, name, device=device, llm=pair_llm, near=near, repeats=repeats,
+                                        progress=progress))
+    data = {"device": where, "ratio": overall_ratio(drifts),
+            "models": [{"model": d.model, "processes": d.processes, "dtype": d.dtype, "measured_at": d.measured_at,
+                        "ratio": d.ratio, "parts": [{"tp": tp, "part": part, "ratio": r}
+                                                    for (tp, part), r in d.parts().items()],
+                        "shapes": [{"tp": s.record["tp"], "part": s.record["phase"], "shape": s.record["shape"],
+                                    "then_ms": s.then_ms, "now_ms": s.now_ms} for s in d.shapes]}
+                       for d in drifts]}
+    emit(data, as_json, _profile_check_text)
+
+
+def _profile_check_text(r: dict[str, Any]) -> str:
+    lines = []
+    for m in r["models"]:
+        parts = "  ".join(f"tp{p['tp']} {p['part']} {p['ratio']:.2f}x" for p in m["parts"])
+        size = "tiles" if "tiles" in m["shapes"][0]["shape"] else "tokens"
+        at = ", ".join(str(v) for v in sorted({s["shape"][size] for s in m["shapes"]}))
+        lines.append(f"{m['model']} ({m['dtype']}, {m['processes']} processes, measured from {m['measured_at'][:16]}), "
+                     f"at {at} {size}: {m['ratio']:.2f}x the time recorded\n  {parts}")
+    off = 1 / r["ratio"] - 1
+    lines.append(f"this {r['device']} runs the profile's shapes in {r['ratio']:.2f}x the time it records: it prices "
+                 f"them {abs(off):.0%} too {'long' if off > 0 else 'short'} here now"
+                 + ("; measure it again (dflop profile model) where that matters" if abs(off) > 0.1 else ""))
+    return "\n".join(lines)
+
+
 def _warn_cpu_profile(model_name: str, grid: str | None, tps: tuple[int, ...], repeats: int | None,
                       llm: str | None) -> None:
     """Say, before starting, how long profiling on this CPU may take; warn when it is long."""

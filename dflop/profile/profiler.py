@@ -297,8 +297,9 @@ class Request:
 
 
 def check_request(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
-                  grid: str | None = None, llm: str | None = None, processes: int = 1,
+                  grid: str | Grid | None = None, llm: str | None = None, processes: int = 1,
                   tps: tuple[int, ...] = (1,)) -> Request:
+    """``grid``: a grid's name, or the shapes themselves (a drift check measures a few stored ones)."""
     if processes > 1 and device != "cpu":
         raise DflopError(f"--processes {processes}: lock-step processes share one device only on cpu; on cuda "
                          "every rank has its own GPU (use --processes 1)")
@@ -315,12 +316,13 @@ def check_request(name: str, out: str | Path, *, device: str = "cpu", dtype: str
                          f"output width); {spec.name} is an LLM")
     dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
     torch_dtype = check_device(device, dtype)
-    if grid not in (None, *GRIDS):
+    if not isinstance(grid, Grid) and grid not in (None, *GRIDS):
         raise DflopError(f"--grid {grid}: unknown (known: {', '.join(GRIDS)})")
     store = ProfileStore.in_dir(out)
     store.read()  # a store that cannot be read fails here, not after the first shape
-    return Request(kind, spec, pair, dtype, torch_dtype, GRIDS[grid or ("gpu" if device == "cuda" else "cpu")],
-                   store)
+    if not isinstance(grid, Grid):
+        grid = GRIDS[grid or ("gpu" if device == "cuda" else "cpu")]
+    return Request(kind, spec, pair, dtype, torch_dtype, grid, store)
 
 
 BARRIER_TIMEOUT_S = 1800.0
@@ -374,7 +376,7 @@ def _twin(name: str, out: str, options: dict[str, Any], tps: tuple[int, ...], in
 
 
 def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
-                  tps: tuple[int, ...] = (1,), grid: str | None = None, llm: str | None = None,
+                  tps: tuple[int, ...] = (1,), grid: str | Grid | None = None, llm: str | None = None,
                   warmup: int = WARMUP, repeats: int | None = None, processes: int = 1,
                   progress: Progress | None = None) -> ProfileReport:
     options = {"device": device, "dtype": dtype, "grid": grid, "llm": llm}

@@ -1,0 +1,141 @@
+"""Profile drift: is a stored profile still this machine's?
+
+A profile is one machine measured at one time. A shared VM's speed moves with its
+neighbours (this 2-core VM's by a third within minutes), a cluster's nodes differ, a
+driver or torch upgrade moves kernels; a cost model fitted on the profile then prices
+every op too high or too low. Measuring a few of the profile's own shapes again, the
+same way (processes, TP groups, dtype), says by how much, apart from anything the
+simulator gets wrong: per model, each part (block, embeddings, head, projector) at
+every stored TP degree, at a few grid sizes around a microbatch size.
+
+It diagnoses, it does not correct: on the 2-core VM the parts moved by different
+amounts (0.63x to 0.96x in one check) and whole steps by less than their ops, so a
+profile rescaled part by part from a check predicted the plans' step times closer on
+the median but ordered them worse (``benchmarks/bench_fidelity.py``, one trial). When
+a check says the profile is off, measure it again.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from dflop.cost.store import ProfileStore, record_key
+from dflop.errors import DflopError
+from dflop.profile.profiler import Grid, Progress, default_llm, device_name, profile_model, resolve
+
+
+@dataclass(frozen=True)
+class Remeasured:
+    """One stored record and the same shape measured now (forward plus backward)."""
+
+    record: dict[str, Any]
+    now_ms: float
+
+    @property
+    def then_ms(self) -> float:
+        return self.record["fwd_ms"] + self.record["bwd_ms"]
+
+    @property
+    def ratio(self) -> float:
+        return self.now_ms / self.then_ms
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One model's shapes measured again, and how they were measured (as the profile was)."""
+
+    model: str
+    device: str
+    dtype: str
+    processes: int
+    shapes: tuple[Remeasured, ...]
+
+    @property
+    def ratio(self) -> float:
+        return time_ratio(self.shapes)
+
+    def parts(self) -> dict[tuple[int, str], float]:
+        """Time now over time then per (TP degree, part): a machine that slowed evenly moves every
+        part alike; parts that disagree say the profile's parts were measured at different speeds."""
+        out: dict[tuple[int, str], list[Remeasured]] = {}
+        for s in self.shapes:
+            out.setdefault((s.record["tp"], s.record["phase"]), []).append(s)
+        return {part: time_ratio(ss) for part, ss in sorted(out.items())}
+
+    @property
+    def measured_at(self) -> str:
+        """When the re-measured records were measured (the earliest, as far as the store says)."""
+        return min((s.record.get("measured_at", "?") for s in self.shapes), default="?")
+
+
+def time_ratio(shapes: Iterable[Remeasured]) -> float:
+    """Time now over time then, each summed: the large ops a step spends its time in weigh most, as
+    they do in a predicted step."""
+    shapes = list(shapes)
+    return sum(s.now_ms for s in shapes) / sum(s.then_ms for s in shapes)
+
+
+def overall_ratio(drifts: list[Drift]) -> float:
+    """Time now over time then over every model's shapes."""
+    return time_ratio(s for d in drifts for s in d.shapes)
+
+
+POINTS = 3
+"""Grid points per part measured again: each stored record carries its own noise, which one point
+would pass on whole."""
+
+
+def _around(values: set[int], points: int = 1, near: float | None = None) -> tuple[int, ...]:
+    """``points`` consecutive values, centred on the one nearest ``near`` (default: the middle one)."""
+    ordered = sorted(values)
+    centre = (len(ordered) - 1) // 2 if near is None else min(range(len(ordered)),
+                                                                key=lambda i: abs(ordered[i] - near))
+    start = max(0, min(centre - (points - 1) // 2, len(ordered) - points))
+    return tuple(ordered[start:start + points])
+
+
+def probe_grid(kind: str, records: list[dict[str, Any]], near: float | None = None) -> Grid:
+    """POINTS sizes of the grid the records were measured on (holdouts aside), centred on the one
+    nearest ``near`` (LLM tokens or encoder tiles per microbatch; default the middle of the grid), every
+    part at each; LLM blocks packed at the middle per-sample length measured at the centre size."""
+    blocks = [r["shape"] for r in records if r["phase"] == "block" and not r.get("holdout")]
+    if not blocks:
+        raise DflopError(f"profile of {records[0]['model']}: no block records to measure again")
+    if kind == "llm":
+        tokens = _around({s["tokens"] for s in blocks}, POINTS, near)
+        centre = tokens[(len(tokens) - 1) // 2]
+        seq = _around({s["seq"] for s in blocks if s["tokens"] == centre})
+        return Grid(tokens=tokens, seq=seq, tiles=(), holdout_llm=(), holdout_tiles=())
+    return Grid(tokens=(), seq=(), tiles=_around({s["tiles"] for s in blocks}, POINTS, near), holdout_llm=(),
+                holdout_tiles=())
+
+
+def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cpu", llm: str | None = None,
+                  near: float | None = None, repeats: int | None = None, progress: Progress | None = None) -> Drift:
+    """Measure again, the way they were measured, a few of ``records``' shapes of model ``name`` on
+    this machine's ``device``, around size ``near`` (see ``probe_grid``)."""
+    kind, spec = resolve(name)
+    where = device_name(device)
+    mine = [r for r in records if r["model"] == spec.name and r["device"] == where]
+    if not mine:
+        raise DflopError(f"--model {name}: the profile holds no records of it on {where}")
+    dtype = Counter(r["dtype"] for r in mine).most_common(1)[0][0]
+    processes = Counter(r.get("processes", 1) for r in mine if r["dtype"] == dtype).most_common(1)[0][0]
+    mine = [r for r in mine if r["dtype"] == dtype and r.get("processes", 1) == processes]
+    tps = tuple(sorted({r["tp"] for r in mine if processes == 1 or processes % r["tp"] == 0}))
+    pair = (llm or default_llm(spec.name)) if kind == "encoder" else None
+    grid = probe_grid(kind, [r for r in mine if r["tp"] == tps[0]], near)
+    stored = {record_key(r): r for r in mine}
+    with tempfile.TemporaryDirectory(prefix="dflop-drift-") as tmp:
+        profile_model(spec.name, tmp, device=device, dtype=dtype, tps=tps, grid=grid,
+                      llm=pair,
+                      repeats=repeats, processes=processes, progress=progress)
+        now = ProfileStore.in_dir(tmp).read()
+    shapes = tuple(Remeasured(stored[record_key(r)], r["fwd_ms"] + r["bwd_ms"])
+                   for r in now if record_key(r) in stored)
+    if not shapes:
+        raise DflopError(f"--model {name}: the profile holds none of the shapes it was to measure again")
+    return Drift(spec.name, where, dtype, processes, shapes)

@@ -1,0 +1,55 @@
+"""`dflop profile check`: a profile's shapes measured again say how far the machine has moved."""
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cli_helpers import assert_one_line_error, dflop, dflop_json
+from dflop.cost.store import FILENAME, ProfileStore
+from dflop.profile.drift import POINTS, _around
+
+
+def test_a_check_finds_the_parts_of_a_profile_measured_on_a_slower_machine(tmp_path):
+    measured, doctored = tmp_path / "measured", tmp_path / "doctored"
+    dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--repeats", 2, "--out", measured)
+    doctored.mkdir()
+    with (doctored / FILENAME).open("w") as f:  # as if blocks had run 3x slower when profiled
+        for r in ProfileStore.in_dir(measured).read():
+            slow = 3.0 if r["phase"] == "block" else 1.0
+            f.write(json.dumps({**r, "fwd_ms": r["fwd_ms"] * slow, "bwd_ms": r["bwd_ms"] * slow}) + "\n")
+    out = dflop_json("profile", "check", "--profiles", doctored, "--model", "tiny-llm", "--repeats", 3)
+    [model] = out["models"]
+    parts = {p["part"]: p["ratio"] for p in model["parts"]}
+    assert model["model"] == "tiny-llm" and model["processes"] == 1 and set(parts) == {"block", "embed", "head"}
+    assert 1 / 6 < parts["block"] < 2 / 3 and 1 / 2 < parts["head"] < 2, parts
+    assert parts["block"] < parts["head"]
+    text = dflop("profile", "check", "--profiles", doctored, "--model", "tiny-llm", "--repeats", 1)
+    assert text.returncode == 0 and "tp1 block" in text.stdout and "the time it records" in text.stdout
+
+
+def test_the_shipped_profile_is_checked_the_way_it_was_measured_around_the_size_asked():
+    out = dflop_json("profile", "check", "--model", "tiny-llm", "--tokens", 100, "--repeats", 1)
+    [model] = out["models"]
+    assert model["processes"] == 2 and {s["tp"] for s in model["shapes"]} == {1, 2}  # TP in real groups
+    assert {s["shape"]["tokens"] for s in model["shapes"]} == {128, 256, 512}  # the grid's smallest three
+    assert 0.2 < out["ratio"] < 5
+
+
+@given(st.sets(st.integers(1, 10**6), min_size=1, max_size=20), st.none() | st.integers(0, 2 * 10**6))
+def test_the_shapes_measured_again_are_consecutive_grid_sizes_around_the_one_asked(values, near):
+    chosen = _around(values, POINTS, near)
+    assert len(chosen) == min(POINTS, len(values)) and set(chosen) <= values
+    assert len([v for v in values if min(chosen) <= v <= max(chosen)]) == len(chosen)  # consecutive
+    if near is None:  # the middle of the grid
+        assert abs(sum(v < min(chosen) for v in values) - sum(v > max(chosen) for v in values)) <= 1
+    else:
+        assert min(values, key=lambda v: (abs(v - near), v)) in chosen
+
+
+def test_bad_input(tmp_path):
+    assert_one_line_error(dflop("profile", "check", "--model", "siglip-so400m"),
+                          "--model siglip-so400m: the profile holds no records of it on cpu")
+    assert_one_line_error(dflop("profile", "check", "--model", "gpt-5"), "unknown model 'gpt-5'")
+    assert_one_line_error(dflop("profile", "check", "--profiles", tmp_path / "nowhere"),
+                          f"--profiles {tmp_path / 'nowhere'}: not a folder")
