@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -10,6 +12,7 @@ from dflop.cost.store import FILENAME, ProfileStore
 from dflop.profile.drift import POINTS, _around
 
 
+@pytest.mark.alone  # timing: two measurements compared
 def test_a_check_finds_the_parts_of_a_profile_measured_on_a_slower_machine(tmp_path):
     measured, doctored = tmp_path / "measured", tmp_path / "doctored"
     dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--repeats", 2, "--out", measured)
@@ -22,12 +25,13 @@ def test_a_check_finds_the_parts_of_a_profile_measured_on_a_slower_machine(tmp_p
     [model] = out["models"]
     parts = {p["part"]: p["ratio"] for p in model["parts"]}
     assert model["model"] == "tiny-llm" and model["processes"] == 1 and set(parts) == {"block", "embed", "head"}
-    assert 1 / 6 < parts["block"] < 2 / 3 and 1 / 2 < parts["head"] < 2, parts
-    assert parts["block"] < parts["head"]
+    # the machine's own drift since the store was measured moves every part alike; the doctoring, blocks only
+    assert 1 / 6 < parts["block"] / parts["head"] < 2 / 3 and 1 / 6 < parts["block"] / parts["embed"] < 2 / 3, parts
     text = dflop("profile", "check", "--profiles", doctored, "--model", "tiny-llm", "--repeats", 1)
     assert text.returncode == 0 and "tp1 block" in text.stdout and "the time it records" in text.stdout
 
 
+@pytest.mark.alone  # timing: against a stored measurement
 def test_the_shipped_profile_is_checked_the_way_it_was_measured_around_the_size_asked():
     out = dflop_json("profile", "check", "--model", "tiny-llm", "--tokens", 100, "--repeats", 1)
     [model] = out["models"]
@@ -53,3 +57,9 @@ def test_bad_input(tmp_path):
     assert_one_line_error(dflop("profile", "check", "--model", "gpt-5"), "unknown model 'gpt-5'")
     assert_one_line_error(dflop("profile", "check", "--profiles", tmp_path / "nowhere"),
                           f"--profiles {tmp_path / 'nowhere'}: not a folder")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(dflop("profile", "check", "--profiles", tmp_path / "empty"),
+                          "--profiles: no records measured on cpu")
+    if not torch.cuda.is_available():
+        assert_one_line_error(dflop("profile", "check", "--device", "cuda"),
+                              "--device cuda: this machine has no CUDA device")

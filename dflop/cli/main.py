@@ -227,8 +227,9 @@ def profile_check(folders: tuple[Path, ...], model_names: tuple[str, ...], devic
     from dflop.cli.progress import progress_bar
     from dflop.cost.store import load_records
     from dflop.profile.drift import measure_drift, overall_ratio
-    from dflop.profile.profiler import device_name, resolve
+    from dflop.profile.profiler import device_name, require_device, resolve
 
+    require_device(device)
     for folder in folders:
         if not folder.is_dir():
             raise DflopError(f"--profiles {folder}: not a folder")

@@ -38,17 +38,12 @@ class Remeasured:
     def then_ms(self) -> float:
         return self.record["fwd_ms"] + self.record["bwd_ms"]
 
-    @property
-    def ratio(self) -> float:
-        return self.now_ms / self.then_ms
-
 
 @dataclass(frozen=True)
 class Drift:
     """One model's shapes measured again, and how they were measured (as the profile was)."""
 
     model: str
-    device: str
     dtype: str
     processes: int
     shapes: tuple[Remeasured, ...]
@@ -138,4 +133,4 @@ def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cp
                    for r in now if record_key(r) in stored)
     if not shapes:
         raise DflopError(f"--model {name}: the profile holds none of the shapes it was to measure again")
-    return Drift(spec.name, where, dtype, processes, shapes)
+    return Drift(spec.name, dtype, processes, shapes)

@@ -104,9 +104,13 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
-def check_device(device: str, dtype: str) -> torch.dtype:
+def require_device(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise DflopError("--device cuda: this machine has no CUDA device (use --device cpu)")
+
+
+def check_device(device: str, dtype: str) -> torch.dtype:
+    require_device(device)
     if dtype not in DTYPES:
         raise DflopError(f"--dtype {dtype}: unknown (known: {', '.join(DTYPES)})")
     if device == "cpu" and dtype == "float16":
