@@ -112,14 +112,14 @@ def main() -> None:
             scheduled[name].append(ScheduledBatch(batch, schedule_batch(batch, plan, costs=costs, solver="auto",
                                                                         time_limit=0.2).assignment))
     steps = [s for plan in scheduled.values() for s in plan]
-    near = {model.llm.name: microbatch_size(steps, "llm_tokens"), model.encoder.name: microbatch_size(steps, "tiles")}
+    tokens, tiles = microbatch_size(steps, "llm_tokens"), microbatch_size(steps, "tiles")
     runs: dict[str, list] = {name: [] for name in plans}
     drifts: list[list] = []
     for _ in range(args.rounds):  # in turn, so that a machine whose speed drifts slows every plan alike
         for name, plan in plans.items():
             runs[name].append(TorchBackend(options=TorchOptions(lr=1e-4)).run(StepRunner(plan, system),
                                                                                scheduled[name]))
-        drifts.append([measure_drift(cost.records, m.name, near=near[m.name], repeats=3)
+        drifts.append([measure_drift(cost.records, m.name, tokens=tokens, tiles=tiles, repeats=3)
                        for m in (model.encoder, model.llm)])
     rows = []
     for name, plan in plans.items():
@@ -145,8 +145,8 @@ def main() -> None:
     figures = {"given": summary(rows, "predicted_s", "with the profile given", cost.name)}
     ratios = [overall_ratio(d) for d in drifts]
     parts = [r for d in sum(drifts, []) for r in d.parts().values()]
-    print(f"  its shapes at these steps' microbatch sizes ({near[model.llm.name]:.0f} LLM tokens, "
-          f"{near[model.encoder.name]:.0f} tiles), measured again after each round (dflop profile check): "
+    print(f"  its shapes at these steps' microbatch sizes ({tokens:.0f} LLM tokens, {tiles:.0f} tiles), measured "
+          "again after each round (dflop profile check): "
           f"{' '.join(f'{m:.2f}x' for m in ratios)} the time it records (part by part {min(parts):.2f}x to "
           f"{max(parts):.2f}x); the steps: {1 / (1 + figures['given']['shared_error']):.2f}x the predicted")
     figures["given"]["machine_ratio"] = ratios

@@ -227,7 +227,7 @@ def profile_check(folders: tuple[Path, ...], model_names: tuple[str, ...], devic
     from dflop.cli.progress import progress_bar
     from dflop.cost.store import load_records
     from dflop.profile.drift import measure_drift, overall_ratio
-    from dflop.profile.profiler import device_name, require_device, resolve
+    from dflop.profile.profiler import device_name, require_device
 
     require_device(device)
     for folder in folders:
@@ -240,10 +240,9 @@ def profile_check(folders: tuple[Path, ...], model_names: tuple[str, ...], devic
         raise DflopError(f"--profiles: no records measured on {where}")
     drifts = []
     for name in names:
-        near = tokens if resolve(name)[0] == "llm" else tiles
         with progress_bar(f"checking {name}", "shapes") as progress:
-            drifts.append(measure_drift(records, name, device=device, llm=pair_llm, near=near, repeats=repeats,
-                                        progress=progress))
+            drifts.append(measure_drift(records, name, device=device, llm=pair_llm, tokens=tokens, tiles=tiles,
+                                        repeats=repeats, progress=progress))
     data = {"device": where, "ratio": overall_ratio(drifts),
             "models": [{"model": d.model, "processes": d.processes, "dtype": d.dtype, "measured_at": d.measured_at,
                         "ratio": d.ratio, "parts": [{"tp": tp, "part": part, "ratio": r}

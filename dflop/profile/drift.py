@@ -36,7 +36,12 @@ class Remeasured:
 
     @property
     def then_ms(self) -> float:
-        return self.record["fwd_ms"] + self.record["bwd_ms"]
+        return total_ms(self.record)
+
+
+def total_ms(record: dict[str, Any]) -> float:
+    """Forward plus backward of a record: what a step spends on the shape."""
+    return record["fwd_ms"] + record["bwd_ms"]
 
 
 @dataclass(frozen=True)
@@ -109,9 +114,11 @@ def probe_grid(kind: str, records: list[dict[str, Any]], near: float | None = No
 
 
 def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cpu", llm: str | None = None,
-                  near: float | None = None, repeats: int | None = None, progress: Progress | None = None) -> Drift:
+                  tokens: float | None = None, tiles: float | None = None, repeats: int | None = None,
+                  progress: Progress | None = None) -> Drift:
     """Measure again, the way they were measured, a few of ``records``' shapes of model ``name`` on
-    this machine's ``device``, around size ``near`` (see ``probe_grid``)."""
+    this machine's ``device``, around microbatches of ``tokens`` (an LLM) or ``tiles`` (an encoder)
+    (see ``probe_grid``)."""
     kind, spec = resolve(name)
     where = device_name(device)
     mine = [r for r in records if r["model"] == spec.name and r["device"] == where]
@@ -121,15 +128,14 @@ def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cp
     processes = Counter(r.get("processes", 1) for r in mine if r["dtype"] == dtype).most_common(1)[0][0]
     mine = [r for r in mine if r["dtype"] == dtype and r.get("processes", 1) == processes]
     tps = tuple(sorted({r["tp"] for r in mine if processes == 1 or processes % r["tp"] == 0}))
-    pair = (llm or default_llm(spec.name)) if kind == "encoder" else None
-    grid = probe_grid(kind, [r for r in mine if r["tp"] == tps[0]], near)
+    grid = probe_grid(kind, [r for r in mine if r["tp"] == tps[0]], tokens if kind == "llm" else tiles)
     stored = {record_key(r): r for r in mine}
     with tempfile.TemporaryDirectory(prefix="dflop-drift-") as tmp:
-        profile_model(spec.name, tmp, device=device, dtype=dtype, tps=tps, grid=grid,
-                      llm=pair,
-                      repeats=repeats, processes=processes, progress=progress)
+        profile_model(spec.name, tmp, device=device, dtype=dtype, tps=tps, grid=grid, repeats=repeats,
+                      llm=(llm or default_llm(spec.name)) if kind == "encoder" else None, processes=processes,
+                      progress=progress)
         now = ProfileStore.in_dir(tmp).read()
-    shapes = tuple(Remeasured(stored[record_key(r)], r["fwd_ms"] + r["bwd_ms"])
+    shapes = tuple(Remeasured(stored[record_key(r)], total_ms(r))
                    for r in now if record_key(r) in stored)
     if not shapes:
         raise DflopError(f"--model {name}: the profile holds none of the shapes it was to measure again")

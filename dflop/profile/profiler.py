@@ -320,12 +320,12 @@ def check_request(name: str, out: str | Path, *, device: str = "cpu", dtype: str
                          f"output width); {spec.name} is an LLM")
     dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
     torch_dtype = check_device(device, dtype)
-    if not isinstance(grid, Grid) and grid not in (None, *GRIDS):
-        raise DflopError(f"--grid {grid}: unknown (known: {', '.join(GRIDS)})")
+    if not isinstance(grid, Grid):
+        if grid not in (None, *GRIDS):
+            raise DflopError(f"--grid {grid}: unknown (known: {', '.join(GRIDS)})")
+        grid = GRIDS[grid or ("gpu" if device == "cuda" else "cpu")]
     store = ProfileStore.in_dir(out)
     store.read()  # a store that cannot be read fails here, not after the first shape
-    if not isinstance(grid, Grid):
-        grid = GRIDS[grid or ("gpu" if device == "cuda" else "cpu")]
     return Request(kind, spec, pair, dtype, torch_dtype, grid, store)
 
 
