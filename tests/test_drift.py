@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cli_helpers import assert_one_line_error, dflop, dflop_json
-from dflop.cost.store import FILENAME, ProfileStore
+from dflop.cost.store import FILENAME, ProfileStore, load_records
 from dflop.profile.drift import POINTS, _around
 
 
@@ -31,13 +31,19 @@ def test_a_check_finds_the_parts_of_a_profile_measured_on_a_slower_machine(tmp_p
     assert text.returncode == 0 and "tp1 block" in text.stdout and "the time it records" in text.stdout
 
 
-@pytest.mark.alone  # timing: against a stored measurement
 def test_the_shipped_profile_is_checked_the_way_it_was_measured_around_the_size_asked():
     out = dflop_json("profile", "check", "--model", "tiny-llm", "--tokens", 100, "--repeats", 1)
     [model] = out["models"]
     assert model["processes"] == 2 and {s["tp"] for s in model["shapes"]} == {1, 2}  # TP in real groups
     assert {s["shape"]["tokens"] for s in model["shapes"]} == {128, 256, 512}  # the grid's smallest three
-    assert 0.2 < out["ratio"] < 5
+    # "then" is the shipped record itself; the ratio, whatever this machine's speed, is now over then summed
+    stored = {(r["tp"], r["phase"], json.dumps(r["shape"], sort_keys=True)): r["fwd_ms"] + r["bwd_ms"]
+              for r in load_records((), None, shipped=True) if r["model"] == "tiny-llm" and r["device"] == "cpu" and r.get("processes", 1) == 2}
+    for s in model["shapes"]:
+        assert s["then_ms"] == pytest.approx(stored[s["tp"], s["part"], json.dumps(s["shape"], sort_keys=True)])
+        assert s["now_ms"] > 0
+    now, then = (sum(s[k] for s in model["shapes"]) for k in ("now_ms", "then_ms"))
+    assert model["ratio"] == pytest.approx(now / then) and out["ratio"] == pytest.approx(now / then)
 
 
 @given(st.sets(st.integers(1, 10**6), min_size=1, max_size=20), st.none() | st.integers(0, 2 * 10**6))
