@@ -31,10 +31,11 @@ def test_a_check_finds_the_parts_of_a_profile_measured_on_a_slower_machine(tmp_p
     assert text.returncode == 0 and "tp1 block" in text.stdout and "the time it records" in text.stdout
 
 
-def test_the_shipped_profile_is_checked_the_way_it_was_measured_around_the_size_asked():
+def test_the_shipped_profile_is_checked_the_way_it_was_measured_around_the_size_asked(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # measured with the profile's thread count, not this
     out = dflop_json("profile", "check", "--model", "tiny-llm", "--tokens", 100, "--repeats", 1)
     [model] = out["models"]
-    assert model["processes"] == 2 and {s["tp"] for s in model["shapes"]} == {1, 2}  # TP in real groups
+    assert model["processes"] == 2 and model["threads"] == 1 and {s["tp"] for s in model["shapes"]} == {1, 2}
     assert {s["shape"]["tokens"] for s in model["shapes"]} == {128, 256, 512}  # the grid's smallest three
     # "then" is the shipped record itself; the ratio, whatever this machine's speed, is now over then summed
     stored = {(r["tp"], r["phase"], json.dumps(r["shape"], sort_keys=True)): r["fwd_ms"] + r["bwd_ms"]
@@ -44,6 +45,16 @@ def test_the_shipped_profile_is_checked_the_way_it_was_measured_around_the_size_
         assert s["now_ms"] > 0
     now, then = (sum(s[k] for s in model["shapes"]) for k in ("now_ms", "then_ms"))
     assert model["ratio"] == pytest.approx(now / then) and out["ratio"] == pytest.approx(now / then)
+
+
+def test_a_profile_measured_with_more_threads_is_checked_with_as_many(tmp_path):
+    with (tmp_path / FILENAME).open("w") as f:
+        for r in load_records((), None, shipped=True):
+            if r["model"] == "tiny-llm" and r["tp"] == 1:
+                f.write(json.dumps({**r, "threads": 2, "processes": 1}) + "\n")
+    out = dflop_json("profile", "check", "--profiles", tmp_path, "--model", "tiny-llm", "--repeats", 1)
+    [model] = out["models"]
+    assert (model["processes"], model["threads"]) == (1, 2) and len(model["shapes"]) == 3 * POINTS
 
 
 @given(st.sets(st.integers(1, 10**6), min_size=1, max_size=20), st.none() | st.integers(0, 2 * 10**6))

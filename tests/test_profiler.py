@@ -22,13 +22,15 @@ TINY = presets.model("tiny-vit", "tiny-llm")
 CPU = presets.hardware("cpu")
 
 
-def test_quick_profile_and_rerun(tmp_path):
+def test_quick_profile_and_rerun(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the backend's ranks run one thread whatever this says
     first = dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--repeats", 2,
                        "--out", tmp_path)
     assert first["measured"] == first["records"] > 0 and first["reused"] == 0
     records = ProfileStore.in_dir(tmp_path).read()
     assert {r["phase"] for r in records} == {"block", "embed", "head"}
     assert all(r["fwd_ms"] > 0 and r["memory_bytes"] >= 0 and r["device"] == "cpu" for r in records)
+    assert {r["threads"] for r in records} == {1}
     again = dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--out", tmp_path)
     assert again["measured"] == 0 and again["reused"] == first["records"]
 
@@ -38,6 +40,7 @@ def test_lock_step_processes_measure_alongside_and_a_dead_twin_stops_the_run(tmp
                      "--processes", 2, "--out", tmp_path)
     records = ProfileStore.in_dir(tmp_path).read()
     assert out["measured"] == len(records) > 0 and {r["processes"] for r in records} == {2}  # one writer
+    assert {r["threads"] for r in records} == {1}
     assert_one_line_error(dflop("profile", "model", "--model", "tiny-vit", "--device", "cuda", "--processes", 2,
                                 "--out", tmp_path / "gpu"), "--processes 2: lock-step processes share one device only on cpu")
     from dflop.errors import DflopError
@@ -46,7 +49,7 @@ def test_lock_step_processes_measure_alongside_and_a_dead_twin_stops_the_run(tmp
     # a twin that cannot start (an unknown model) breaks the barrier instead of leaving this process waiting
     with pytest.raises(DflopError, match=r"a lock-step profiling process stopped \(exit code 1\).*kept in"):
         with _lock_step(2, "no-such-model", str(tmp_path), {"device": "cpu", "dtype": None, "grid": "quick",
-                                                           "llm": None}, (1,), [0], 0, 1) as (barrier, _):
+                                                           "llm": None}, (1,), [0], 0, 1, None) as (barrier, _):
             barrier.wait(120)
 
 
@@ -83,7 +86,7 @@ def test_tensor_parallelism_runs_in_real_groups_of_lock_step_processes(tmp_path)
     # a twin that dies before the group forms stops the run instead of leaving this process waiting to join
     with pytest.raises(DflopError, match=r"a lock-step profiling process stopped \(exit code 1\)"):
         with _lock_step(2, "no-such-model", str(tmp_path), {"device": "cpu", "dtype": None, "grid": "quick",
-                                                           "llm": None}, (1, 2), [0], 0, 1):
+                                                           "llm": None}, (1, 2), [0], 0, 1, None):
             pass
 
 
@@ -140,6 +143,16 @@ def test_corrupt_record_is_skipped_with_a_warning_naming_the_line(tmp_path):
                  "--json")
     assert proc.returncode == 0 and f"{store}:2: skipped a corrupt profile record" in proc.stderr
     assert json.loads(proc.stdout)["measured"] == 1  # only the lost shape is measured again
+
+
+@pytest.mark.parametrize("field,value", [("threads", 0), ("threads", "two"), ("processes", 1.5), ("threads", True)])
+def test_a_record_that_says_it_was_measured_impossibly_is_skipped_naming_the_field(tmp_path, field, value):
+    good = next(r for r in shipped_records() if r["phase"] == "head")
+    store = tmp_path / "profile.jsonl"
+    store.write_text(json.dumps(good) + "\n" + json.dumps({**good, field: value}) + "\n")
+    seen = []
+    assert ProfileStore(store).read(seen.append) == [good]
+    assert seen == [f"{store}:2: skipped a corrupt profile record (field '{field}' must be an integer >= 1)"]
 
 
 def test_shipped_profile_predicts_held_out_shapes():

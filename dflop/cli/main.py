@@ -244,8 +244,8 @@ def profile_check(folders: tuple[Path, ...], model_names: tuple[str, ...], devic
             drifts.append(measure_drift(records, name, device=device, llm=pair_llm, tokens=tokens, tiles=tiles,
                                         repeats=repeats, progress=progress))
     data = {"device": where, "ratio": overall_ratio(drifts),
-            "models": [{"model": d.model, "processes": d.processes, "dtype": d.dtype, "measured_at": d.measured_at,
-                        "ratio": d.ratio, "parts": [{"tp": tp, "part": part, "ratio": r}
+            "models": [{"model": d.model, "processes": d.processes, "threads": d.threads, "dtype": d.dtype,
+                        "measured_at": d.measured_at, "ratio": d.ratio, "parts": [{"tp": tp, "part": part, "ratio": r}
                                                     for (tp, part), r in d.parts().items()],
                         "shapes": [{"tp": s.record["tp"], "part": s.record["phase"], "shape": s.record["shape"],
                                     "then_ms": s.then_ms, "now_ms": s.now_ms} for s in d.shapes]}
@@ -259,8 +259,9 @@ def _profile_check_text(r: dict[str, Any]) -> str:
         parts = "  ".join(f"tp{p['tp']} {p['part']} {p['ratio']:.2f}x" for p in m["parts"])
         size = "tiles" if "tiles" in m["shapes"][0]["shape"] else "tokens"
         at = ", ".join(str(v) for v in sorted({s["shape"][size] for s in m["shapes"]}))
-        lines.append(f"{m['model']} ({m['dtype']}, {m['processes']} processes, measured from {m['measured_at'][:16]}), "
-                     f"at {at} {size}: {m['ratio']:.2f}x the time recorded\n  {parts}")
+        threads = f"{m['threads']} thread{'s' if m['threads'] > 1 else ''}"
+        lines.append(f"{m['model']} ({m['dtype']}, {m['processes']} processes x {threads}, measured from "
+                     f"{m['measured_at'][:16]}), at {at} {size}: {m['ratio']:.2f}x the time recorded\n  {parts}")
     off = 1 / r["ratio"] - 1
     lines.append(f"this {r['device']} runs the profile's shapes in {r['ratio']:.2f}x the time it records: it prices "
                  f"them {abs(off):.0%} too {'long' if off > 0 else 'short'} here now"

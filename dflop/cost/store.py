@@ -55,6 +55,10 @@ def _problem(record: Any) -> str | None:
         return "field 'module' must be 'encoder' or 'llm'"
     if not isinstance(record.get("tp"), int) or record["tp"] < 1:
         return "field 'tp' must be an integer >= 1"
+    for name in ("processes", "threads"):  # optional: how it was measured
+        value = record.get(name, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"field '{name}' must be an integer >= 1"
     if record.get("tp_comm", TPComm.MODELLED.value) not in {c.value for c in TPComm}:
         return f"field 'tp_comm' must be one of {', '.join(c.value for c in TPComm)}"
     shape = record.get("shape")

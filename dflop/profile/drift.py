@@ -51,6 +51,7 @@ class Drift:
     model: str
     dtype: str
     processes: int
+    threads: int
     shapes: tuple[Remeasured, ...]
 
     @property
@@ -116,7 +117,7 @@ def probe_grid(kind: str, records: list[dict[str, Any]], near: float | None = No
 def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cpu", llm: str | None = None,
                   tokens: float | None = None, tiles: float | None = None, repeats: int | None = None,
                   progress: Progress | None = None) -> Drift:
-    """Measure again, the way they were measured, a few of ``records``' shapes of model ``name`` on
+    """Measure again, the way they were measured (dtype, processes, threads), a few of ``records``' shapes of model ``name`` on
     this machine's ``device``, around microbatches of ``tokens`` (an LLM) or ``tiles`` (an encoder)
     (see ``probe_grid``)."""
     kind, spec = resolve(name)
@@ -125,18 +126,24 @@ def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cp
     if not mine:
         raise DflopError(f"--model {name}: the profile holds no records of it on {where}")
     dtype = Counter(r["dtype"] for r in mine).most_common(1)[0][0]
-    processes = Counter(r.get("processes", 1) for r in mine if r["dtype"] == dtype).most_common(1)[0][0]
-    mine = [r for r in mine if r["dtype"] == dtype and r.get("processes", 1) == processes]
+    mine = [r for r in mine if r["dtype"] == dtype]
+    processes, threads = Counter(_measured_by(r) for r in mine).most_common(1)[0][0]
+    mine = [r for r in mine if _measured_by(r) == (processes, threads)]
     tps = tuple(sorted({r["tp"] for r in mine if processes == 1 or processes % r["tp"] == 0}))
     grid = probe_grid(kind, [r for r in mine if r["tp"] == tps[0]], tokens if kind == "llm" else tiles)
     stored = {record_key(r): r for r in mine}
     with tempfile.TemporaryDirectory(prefix="dflop-drift-") as tmp:
         profile_model(spec.name, tmp, device=device, dtype=dtype, tps=tps, grid=grid, repeats=repeats,
                       llm=(llm or default_llm(spec.name)) if kind == "encoder" else None, processes=processes,
-                      progress=progress)
+                      threads=threads, progress=progress)
         now = ProfileStore.in_dir(tmp).read()
     shapes = tuple(Remeasured(stored[record_key(r)], total_ms(r))
                    for r in now if record_key(r) in stored)
     if not shapes:
         raise DflopError(f"--model {name}: the profile holds none of the shapes it was to measure again")
-    return Drift(spec.name, dtype, processes, shapes)
+    return Drift(spec.name, dtype, processes, now[0]["threads"], shapes)
+
+
+def _measured_by(record: dict[str, Any]) -> tuple[int, int | None]:
+    """Processes and threads per process (None: not recorded, measured again at the default)."""
+    return record.get("processes", 1), record.get("threads")

@@ -17,6 +17,10 @@ only the first one records, so every figure carries the slowdown of ranks that
 share the machine's cores, caches and memory bandwidth, as the backend's
 one-process-per-core ranks do (on this 2-core VM, two busy ranks each ran up to
 40% slower than one alone). Each record says how many processes measured it.
+On CPU every process runs ``CPU_THREADS`` torch threads, as the backend's ranks
+do, whatever the environment says: two ranks of two threads each on two cores
+ran the same shapes 1.7x slower here, and far more on machines that show more
+cores than they grant.
 
 Tensor parallelism with ``processes`` > 1 runs in real TP groups: the
 processes split into gloo groups of ``tp``, each block is split with torch's
@@ -60,6 +64,7 @@ from dflop.models.llm import DecoderBlock, RMSNorm, pack, shard, wide
 from dflop.models.parallel import split_blocks
 from dflop.models.vit import PatchEmbed, Projector, VisionBlock
 from dflop.specs import presets
+from dflop.specs.execution import CPU_THREADS
 from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -358,23 +363,25 @@ def _group(meshes: dict[int, Any], tp: int) -> Any:
 
 
 def _twin(name: str, out: str, options: dict[str, Any], tps: tuple[int, ...], indices: list[int],
-          warmup: int, repeats: int, barrier: Any, rank: int, port: int | None) -> None:
+          warmup: int, repeats: int, threads: int | None, barrier: Any, rank: int, port: int | None) -> None:
     """A process that measures the same shapes as the recording one, at the same time, and keeps nothing
     (with ``port``, in TP groups with it)."""
     r = check_request(name, out, **options)
+    device = options["device"]
+    _set_threads(device, threads)
     meshes = {}
     if port is not None:
         barrier.wait(BARRIER_TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", port, barrier.parties, is_master=False,
                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         meshes = _join(store, rank, barrier.parties, tps)
-    todo = _todo(r, tps, options["device"], meshes)
+    todo = _todo(r, tps, device, meshes)
     torch.manual_seed(0)
     for i in indices:
         tp, (_, _, _, make_module, make_inputs) = todo[i]
         module = make_module()  # before the barrier, as the recording process: splitting a block is collective
         barrier.wait(BARRIER_TIMEOUT_S)
-        measure(module, make_inputs, options["device"], warmup, repeats, _group(meshes, tp))
+        measure(module, make_inputs, device, warmup, repeats, _group(meshes, tp))
     if port is not None:
         dist.destroy_process_group()
 
@@ -382,7 +389,9 @@ def _twin(name: str, out: str, options: dict[str, Any], tps: tuple[int, ...], in
 def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
                   tps: tuple[int, ...] = (1,), grid: str | Grid | None = None, llm: str | None = None,
                   warmup: int = WARMUP, repeats: int | None = None, processes: int = 1,
-                  progress: Progress | None = None) -> ProfileReport:
+                  threads: int | None = None, progress: Progress | None = None) -> ProfileReport:
+    """Measure model ``name``'s shapes into the store in ``out`` (see the module's docstring); on CPU
+    with ``threads`` torch threads per process (default ``CPU_THREADS``, the backend's)."""
     options = {"device": device, "dtype": dtype, "grid": grid, "llm": llm}
     r = check_request(name, out, processes=processes, tps=tps, **options)
     repeats = repeats or REPEATS[device]
@@ -396,7 +405,8 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
     pending = [i for i, rec in enumerate(records) if record_key(rec) not in done]
     waiting = set(pending)
     report = ProfileReport(0, len(records) - len(pending), r.store.path)
-    with _lock_step(processes, name, str(out), options, tps, pending, warmup, repeats) as (barrier, meshes):
+    with _threads(device, threads), \
+            _lock_step(processes, name, str(out), options, tps, pending, warmup, repeats, threads) as (barrier, meshes):
         torch.manual_seed(0)
         for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(_todo(r, tps, device, meshes)):
             if progress is not None:
@@ -416,9 +426,25 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
     return report
 
 
+def _set_threads(device: str, threads: int | None) -> None:
+    if device == "cpu":
+        torch.set_num_threads(threads or CPU_THREADS)
+
+
+@contextmanager
+def _threads(device: str, threads: int | None) -> Iterator[None]:
+    """``_set_threads`` until the block ends (the profiler may run inside a longer-lived process)."""
+    before = torch.get_num_threads()
+    _set_threads(device, threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @contextmanager
 def _lock_step(processes: int, name: str, out: str, options: dict[str, Any], tps: tuple[int, ...],
-               pending: list[int], warmup: int, repeats: int) -> Iterator[tuple[Any, dict[int, Any]]]:
+               pending: list[int], warmup: int, repeats: int, threads: int | None) -> Iterator[tuple[Any, dict[int, Any]]]:
     """``processes - 1`` twins measuring ``pending`` alongside this process, the barrier they share
     (None when measuring alone) and, with TP degrees > 1, this process's TP group per degree. A twin
     that dies breaks the barrier (or the group's collective): the run stops with an error, and what
@@ -433,8 +459,8 @@ def _lock_step(processes: int, name: str, out: str, options: dict[str, Any], tps
         store = dist.TCPStore("127.0.0.1", 0, processes, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     port = store.port if store is not None else None
-    twins = [ctx.Process(target=_twin, args=(name, out, options, tps, pending, warmup, repeats, barrier, rank, port),
-                         daemon=True) for rank in range(1, processes)]
+    twins = [ctx.Process(target=_twin, daemon=True,
+                         args=(name, out, options, tps, pending, warmup, repeats, threads, barrier, rank, port)) for rank in range(1, processes)]
     for t in twins:
         t.start()
     done = threading.Event()

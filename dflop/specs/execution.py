@@ -13,6 +13,11 @@ from dflop.specs.limits import MAX_SECONDS, MAX_STEPS
 from dflop.specs.loading import check_numbers, limit, require
 
 
+CPU_THREADS = 1
+"""Torch threads per CPU rank, and per process of a CPU profile that prices one: ranks of more
+threads than their share of the cores slow each other unpredictably."""
+
+
 class Device(str, Enum):
     CPU = "cpu"
     """One process per simulated GPU, gloo, one thread each."""
