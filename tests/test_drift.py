@@ -39,7 +39,8 @@ def test_the_shipped_profile_is_checked_the_way_it_was_measured_around_the_size_
     assert {s["shape"]["tokens"] for s in model["shapes"]} == {128, 256, 512}  # the grid's smallest three
     # "then" is the shipped record itself; the ratio, whatever this machine's speed, is now over then summed
     stored = {(r["tp"], r["phase"], json.dumps(r["shape"], sort_keys=True)): r["fwd_ms"] + r["bwd_ms"]
-              for r in load_records((), None, shipped=True) if r["model"] == "tiny-llm" and r["device"] == "cpu" and r.get("processes", 1) == 2}
+              for r in load_records((), None, shipped=True)
+              if r["model"] == "tiny-llm" and r["device"] == "cpu" and r.get("processes", 1) == 2}
     for s in model["shapes"]:
         assert s["then_ms"] == pytest.approx(stored[s["tp"], s["part"], json.dumps(s["shape"], sort_keys=True)])
         assert s["now_ms"] > 0

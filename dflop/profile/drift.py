@@ -117,9 +117,9 @@ def probe_grid(kind: str, records: list[dict[str, Any]], near: float | None = No
 def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cpu", llm: str | None = None,
                   tokens: float | None = None, tiles: float | None = None, repeats: int | None = None,
                   progress: Progress | None = None) -> Drift:
-    """Measure again, the way they were measured (dtype, processes, threads), a few of ``records``' shapes of model ``name`` on
-    this machine's ``device``, around microbatches of ``tokens`` (an LLM) or ``tiles`` (an encoder)
-    (see ``probe_grid``)."""
+    """Measure again, the way they were measured (dtype, processes, threads), a few of ``records``'
+    shapes of model ``name`` on this machine's ``device``, around microbatches of ``tokens`` (an LLM)
+    or ``tiles`` (an encoder) (see ``probe_grid``)."""
     kind, spec = resolve(name)
     where = device_name(device)
     mine = [r for r in records if r["model"] == spec.name and r["device"] == where]

@@ -444,7 +444,8 @@ def _threads(device: str, threads: int | None) -> Iterator[None]:
 
 @contextmanager
 def _lock_step(processes: int, name: str, out: str, options: dict[str, Any], tps: tuple[int, ...],
-               pending: list[int], warmup: int, repeats: int, threads: int | None) -> Iterator[tuple[Any, dict[int, Any]]]:
+               pending: list[int], warmup: int, repeats: int,
+               threads: int | None) -> Iterator[tuple[Any, dict[int, Any]]]:
     """``processes - 1`` twins measuring ``pending`` alongside this process, the barrier they share
     (None when measuring alone) and, with TP degrees > 1, this process's TP group per degree. A twin
     that dies breaks the barrier (or the group's collective): the run stops with an error, and what
@@ -460,7 +461,8 @@ def _lock_step(processes: int, name: str, out: str, options: dict[str, Any], tps
                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     port = store.port if store is not None else None
     twins = [ctx.Process(target=_twin, daemon=True,
-                         args=(name, out, options, tps, pending, warmup, repeats, threads, barrier, rank, port)) for rank in range(1, processes)]
+                         args=(name, out, options, tps, pending, warmup, repeats, threads, barrier, rank, port))
+             for rank in range(1, processes)]
     for t in twins:
         t.start()
     done = threading.Event()
