@@ -26,6 +26,45 @@ def test_varlen_attention_matches_the_naive_reference(lengths, causal, groups, s
     assert torch.allclose(fast, reference_attention(q, k, v, cu, causal=causal), atol=1e-10)
 
 
+def test_the_flash_attn_path_keeps_the_varlen_kernel_s_contract(monkeypatch):
+    """flash-attn runs only on a GPU, so its path is held here to what its varlen kernel takes
+    (flash_attn 2.x ``flash_attn_varlen_func``): (tokens, heads, dim) tensors, query heads a multiple
+    of key heads, int32 cumulative lengths from 0 to the tokens on the tensors' device, the longest
+    sample as an int, causal for the LLM. A stand-in that checks all that and attends naively trains
+    the model exactly as the fallback does."""
+    import dflop.models.attention as attention
+
+    causal_calls = []
+
+    def stand_in(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                 softmax_scale=None, causal=False):
+        assert q.dim() == k.dim() == 3 and k.shape == v.shape and q.shape[0] == k.shape[0] == int(cu_seqlens_q[-1])
+        assert q.shape[1] % k.shape[1] == 0 and q.shape[2] == k.shape[2]
+        assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.device == q.device and int(cu_seqlens_q[0]) == 0
+        assert torch.equal(cu_seqlens_q, cu_seqlens_k) and max_seqlen_q == max_seqlen_k
+        assert type(max_seqlen_q) is int and max_seqlen_q == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        assert dropout_p == 0.0 and softmax_scale is None  # the default scale, 1/sqrt(dim)
+        causal_calls.append(causal)
+        return reference_attention(q, k, v, cu_seqlens_q, causal=causal)
+
+    def gradients(flash: bool):
+        torch.manual_seed(0)
+        model = DecoderLLM(TINY.llm).double()
+        lengths = [7, 1, 12, 5]
+        tokens = torch.randint(0, TINY.llm.vocab, (sum(lengths),))
+        positions, cu = pack(lengths)
+        with monkeypatch.context() as m:
+            if flash:
+                m.setattr(attention, "flash_attn_varlen_func", stand_in)
+                m.setattr(attention, "flash_available", lambda q: True)
+            packed_loss(model(tokens, positions, cu), tokens, cu).backward()
+        return [p.grad for p in model.parameters()]
+
+    fallback, flash = gradients(False), gradients(True)
+    assert causal_calls == [True] * TINY.llm.layers  # every block, causal; none on the fallback run
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(fallback, flash))
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_packed_gradients_equal_the_sum_of_per_sample_gradients(checkpointing):
     torch.manual_seed(0)
