@@ -19,8 +19,8 @@ one-process-per-core ranks do (on this 2-core VM, two busy ranks each ran up to
 40% slower than one alone). Each record says how many processes measured it.
 On CPU every process runs ``CPU_THREADS`` torch threads, as the backend's ranks
 do, whatever the environment says: two ranks of two threads each on two cores
-ran the same shapes 1.7x slower here, and far more on machines that show more
-cores than they grant.
+ran the same shapes about 3x slower here (once 18x): threads that outnumber the
+cores wait on each other erratically.
 
 Tensor parallelism with ``processes`` > 1 runs in real TP groups: the
 processes split into gloo groups of ``tp``, each block is split with torch's
