@@ -25,7 +25,7 @@ import numpy as np
 import simpy
 
 from dflop.program.costs import StepCosts
-from dflop.program.stepgraph import StepGraph
+from dflop.program.stepgraph import StepGraph, Stream
 
 
 @dataclass
@@ -46,24 +46,16 @@ class Execution:
         return int(self.end.max()) if len(self.end) else 0
 
 
-_COMPUTE, _SEND, _RECV, _COLLECTIVE = range(4)
-
-
-def _classes(graph: StepGraph) -> list[int]:
-    return [_COMPUTE if n.kind.is_compute else _SEND if n.kind.is_send else _RECV if n.kind.is_recv
-            else _COLLECTIVE for n in graph.nodes]
-
-
 def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, track_memory: bool = True) -> Execution:
     env = simpy.Environment()
     n = len(graph)
     start, end = [0] * n, [-1] * n  # end -1 until the node has finished
-    consumers, cls, link = graph.consumers, _classes(graph), graph.link
+    consumers, streams, link = graph.consumers, graph.streams, graph.link
+    compute, p2p = Stream.COMPUTE, Stream.P2P
     duration = costs.duration.tolist()
     alloc, free, transient = costs.alloc.tolist(), costs.free.tolist(), costs.transient.tolist()
-    anchor = graph.anchor or (-1,) * n
     overlapping, lag = graph.overlapping, costs.lag.tolist()
-    missing = [len(d) + (anchor[k] >= 0) for k, d in enumerate(graph.deps)]
+    missing = list(graph.waits)
     ready_at = [0] * n
     collective_missing = [len(c) for c in graph.collectives]
     link_free = [0] * graph.links
@@ -71,7 +63,7 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
     peak = np.array(held, dtype=float)
     memory: list[list[tuple[int, float]]] = [[(0, h)] for h in held]
     oom: list[dict] = []
-    worker_of = [node.worker for node in graph.nodes]
+    worker_of = graph.worker_of
     timeout = env.timeout
 
     def change(w: int, delta: float, at: int) -> None:
@@ -92,25 +84,31 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
             begin(c, now)
 
     def finished(k: int, at: int, now: int) -> None:
-        """Node k ends at ``at`` (>= now): pass it on to whatever waits for it."""
+        """Node k ends at ``at`` (>= now): pass it on to whatever waits for it (``known``, inlined:
+        this runs once per edge)."""
         end[k] = at
         for c in consumers[k]:
-            known(c, at, now)
+            if at > ready_at[c]:
+                ready_at[c] = at
+            missing[c] -= 1
+            if not missing[c]:
+                begin(c, now)
 
     def begin(k: int, now: int) -> None:
         """Everything k waits for is known to end by ``ready_at[k]``."""
-        kind = cls[k]
-        if kind == _SEND:
+        stream = streams[k]
+        if stream is p2p:
+            if link[k] < 0:  # a receive: complete when its data has arrived
+                start[k] = ready_at[k]
+                finished(k, ready_at[k], now)
+                return
             sent = ready_at[k]
             if contention:
                 sent = max(sent, link_free[link[k]])
                 link_free[link[k]] = sent + duration[k]
             start[k] = sent
             finished(k, sent + duration[k], now)
-        elif kind == _RECV:
-            start[k] = ready_at[k]
-            finished(k, ready_at[k], now)
-        elif kind == _COMPUTE:
+        elif stream is compute:
             at = ready_at[k] if ready_at[k] > now else now
             start[k] = at
             if alloc[k] or transient[k]:  # the worker is idle until then, so booking early changes no peak

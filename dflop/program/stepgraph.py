@@ -166,6 +166,21 @@ class StepGraph:
         return tuple(deps)
 
     @cached_property
+    def streams(self) -> list[Stream]:
+        """Per node: the resource it occupies (a simulator reads it once per node per step)."""
+        return [n.stream for n in self.nodes]
+
+    @cached_property
+    def waits(self) -> list[int]:
+        """Per node: how many ends it waits for before it can start (its deps, and its anchor's start)."""
+        anchor = self.anchor or (-1,) * len(self.nodes)
+        return [len(d) + (a >= 0) for d, a in zip(self.deps, anchor)]
+
+    @cached_property
+    def worker_of(self) -> list[int]:
+        return [n.worker for n in self.nodes]
+
+    @cached_property
     def labels(self) -> list[str]:
         return [n.label for n in self.nodes]
 
