@@ -405,8 +405,8 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
     pending = [i for i, rec in enumerate(records) if record_key(rec) not in done]
     waiting = set(pending)
     report = ProfileReport(0, len(records) - len(pending), r.store.path)
-    with _threads(device, threads), \
-            _lock_step(processes, name, str(out), options, tps, pending, warmup, repeats, threads) as (barrier, meshes):
+    with (_threads(device, threads),
+          _lock_step(processes, name, str(out), options, tps, pending, warmup, repeats, threads) as (barrier, meshes)):
         torch.manual_seed(0)
         for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(_todo(r, tps, device, meshes)):
             if progress is not None:
