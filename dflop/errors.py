@@ -6,6 +6,7 @@ CLI prints that line and exits with status 2. Anything else is a bug.
 """
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -47,7 +48,7 @@ def ensure_writable_folder(folder: str | Path, what: str) -> Path:
 
 
 def check_output(path: str | Path, *, folder: bool = False, suffixes: tuple[str, ...] = ()) -> Path:
-    """Check, before any work and without creating anything, that ``path`` can be written: a file
+    """Check, before any work and leaving nothing behind, that ``path`` can be written: a file
     (or with ``folder``, a folder) that is not a thing of the other kind, with one of ``suffixes``
     when some are given, under a folder that exists or can be made and is writable."""
     path = Path(path)
@@ -63,6 +64,8 @@ def check_output(path: str | Path, *, folder: bool = False, suffixes: tuple[str,
         nearest = nearest.parent
     if not nearest.is_dir():
         raise DflopError(f"{path}: cannot be written, {nearest} is not a folder")
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        raise DflopError(f"{path}: cannot be written, {nearest} is not writable")
+    try:  # a probe, not os.access: root passes access() where the file system refuses (/proc, /sys)
+        os.rmdir(tempfile.mkdtemp(prefix=".dflop-probe-", dir=nearest))
+    except OSError as exc:
+        raise DflopError(f"{path}: cannot be written, {nearest} is not writable ({exc.strerror})") from None
     return path

@@ -1,5 +1,6 @@
 import json
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,7 @@ def outputs(tmp_path):
     cfg = config(tmp_path)
     return [
         (("optimize", "--config", cfg), blocker / "plan.yaml", "plan.yaml: cannot be written, "),
+        (("optimize", "--config", cfg), Path("/proc/dflop-nowhere/plan.yaml"), "/proc is not writable"),
         (("optimize", "--config", cfg), tmp_path, "is a folder, expected a file name"),
         (("simulate", "--config", cfg), blocker, "exists and is not a folder"),
         (("simulate", "--config", cfg), blocker / "sub", "cannot be written"),
