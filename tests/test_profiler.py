@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from cli_helpers import assert_one_line_error, dflop, dflop_json
 from dflop.cost import StageSpec, WorkShape
-from dflop.cost.profiled import ProfiledCostModel, holdout_error
+from dflop.cost.profiled import ProfiledCostModel, holdout_error, off_their_neighbours
 from dflop.cost.select import select_cost_model
-from dflop.cost.store import ProfileStore, shipped_records
+from dflop.cost.store import ProfileStore, record_key, shipped_records
 from dflop.specs import TrainingSpec, presets
 
 TINY = presets.model("tiny-vit", "tiny-llm")
@@ -31,6 +31,7 @@ def test_quick_profile_and_rerun(tmp_path, monkeypatch):
     assert {r["phase"] for r in records} == {"block", "embed", "head"}
     assert all(r["fwd_ms"] > 0 and r["memory_bytes"] >= 0 and r["device"] == "cpu" for r in records)
     assert {r["threads"] for r in records} == {1}
+    assert {r["freed_memory"] for r in records} == {"kept"}  # as the backend's ranks run
     again = dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--out", tmp_path)
     assert again["measured"] == 0 and again["reused"] == first["records"]
 
@@ -160,6 +161,44 @@ def test_shipped_profile_predicts_held_out_shapes():
     assert {r["model"] for r in records} >= {"tiny-llm", "tiny-vit"}
     error = holdout_error(records)
     assert error["shapes"] >= 10 and error["median"] < 0.10
+
+
+def test_a_grid_record_far_off_its_neighbours_is_found_and_only_such_a_one():
+    records = shipped_records()
+    assert off_their_neighbours(records) == []  # the shipped profile has none
+    grid = [r for r in records if not r["holdout"]]
+    for module, phase in (("llm", "block"), ("encoder", "block"), ("encoder", "embed")):
+        group = [r for r in grid if (r["module"], r["phase"], r["tp"]) == (module, phase, 1)]
+        xs = sorted({r["shape"].get("tokens", r["shape"].get("tiles")) for r in group})
+        for x, name, factor in ((xs[len(xs) // 2], "fwd_ms", 2.0), (xs[1], "bwd_ms", 0.5)):
+            bad = next(r for r in group if r["shape"].get("tokens", r["shape"].get("tiles")) == x)
+            bent = {**bad, name: bad[name] * factor}
+            assert off_their_neighbours([bent if r is bad else r for r in records]) == [bent]
+        end = next(r for r in group if r["shape"].get("tokens", r["shape"].get("tiles")) == xs[-1])
+        held = next(r for r in records if r["holdout"] and (r["module"], r["phase"], r["tp"]) == (module, phase, 1))
+        changed = {id(end): {**end, "fwd_ms": end["fwd_ms"] * 2}, id(held): {**held, "fwd_ms": held["fwd_ms"] * 2}}
+        assert off_their_neighbours([changed.get(id(r), r) for r in records]) == []  # no neighbour past the end; held out as measured
+
+
+def test_a_shape_disturbed_while_measured_is_measured_once_more(tmp_path, monkeypatch):
+    from dflop.profile import profiler
+
+    grid = profiler.Grid(tokens=(64, 128, 256, 512), seq=(64,), tiles=(1,), holdout_llm=(), holdout_tiles=())
+    calls = []
+
+    def disturbed(module, make_inputs, *args):  # times that grow with the tokens, as measured on a quiet machine
+        tokens = make_inputs()[0].shape[0]
+        calls.append((type(module).__name__, tokens))
+        slow = 3 if calls.count(("DecoderBlock", 256)) == 1 and calls[-1] == ("DecoderBlock", 256) else 1
+        return {"fwd_ms": 0.01 * tokens * slow, "bwd_ms": 0.02 * tokens, "fwd_spread": 0.0, "bwd_spread": 0.0,
+                "memory_bytes": 1000.0 * tokens, "inner": 1}
+
+    monkeypatch.setattr(profiler, "measure", disturbed)
+    report = profiler.profile_model("tiny-llm", tmp_path, grid=grid, repeats=2, warmup=1)
+    assert report.again == [{"tokens": 256, "seq": 64, "tp": 1, "phase": "block"}]
+    block = {r["shape"]["tokens"]: r for r in ProfileStore.in_dir(tmp_path).read() if r["phase"] == "block"}
+    assert off_their_neighbours(list(block.values())) == []  # the second measurement is the one kept
+    assert len(ProfileStore.in_dir(tmp_path).path.read_text().splitlines()) == report.measured + 1
 
 
 def test_collectives_are_added_only_to_tp_shards_measured_alone():

@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dflop.cpu_process import set_up_cpu_process
 from dflop.program.dpcomm import shard_degree
 from dflop.program.routing import step_routes
 from dflop.program.schedules import splits_backward
 from dflop.program.stepgraph import build_workers, lower
 from dflop.program.template import Template, build_template
-from dflop.specs.execution import CPU_THREADS, Device, ExecutionSpec
+from dflop.specs.execution import Device, ExecutionSpec
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module, Plan, place
 from dflop.workload.sample import SampleTable
@@ -166,7 +167,7 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     opts = payload.options
     device = torch.device("cpu" if opts.device is Device.CPU else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     if device.type == "cpu":
-        torch.set_num_threads(CPU_THREADS)
+        set_up_cpu_process()
     else:
         torch.cuda.set_device(device)
     if not dist.is_initialized():

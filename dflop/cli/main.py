@@ -202,8 +202,9 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
                              llm=pair_llm, repeats=repeats, processes=processes, progress=progress)
     records = [r for r in ProfileStore(report.store).read(log) if r["model"] == model_name.strip().lower()]
     data = {"store": str(report.store), "measured": report.measured, "reused": report.reused,
-            "records": len(records), "holdout_error": holdout_error(records)}
-    emit(data, as_json, lambda r: (f"{r['measured']} shapes measured, {r['reused']} already in {r['store']}; "
+            "measured_again": report.again, "records": len(records), "holdout_error": holdout_error(records)}
+    again = f" ({len(report.again)} of them twice, off their neighbours the first time)" if report.again else ""
+    emit(data, as_json, lambda r: (f"{r['measured']} shapes measured{again}, {r['reused']} already in {r['store']}; "
                                    f"held-out error median {r['holdout_error']['median']:.1%}, "
                                    f"max {r['holdout_error']['max']:.1%}"))
 
