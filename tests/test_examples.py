@@ -34,5 +34,5 @@ def test_tiny_cpu_example_runs_on_the_shipped_profile(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "beyond the profiled range" not in proc.stderr  # the shipped profile covers the shipped example
     out = json.loads(proc.stdout)
-    assert out["cost_model"].startswith("profiled (cpu")
+    assert out["cost_model"].startswith("profiled (cpu") and (out["gpus"], out["hardware"]) == (4, "cpu")
     assert out["speedup"] >= 1.0

@@ -509,7 +509,7 @@ def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | N
     def human(r: dict[str, Any]) -> str:
         b, d = r["baseline"], r["decomposition"] or {}
         lines = [
-            f"{r['model']} on {r['gpus']} GPUs, {r['data']}, global batch {r['global_batch']}, {r['steps']} steps",
+            f"{r['model']} on {r['gpus']} x {r['hardware']}, {r['data']}, global batch {r['global_batch']}, {r['steps']} steps",
             f"dflop     {r['plan']['describe']} ({r['batching']} bins)",
             f"          step {r['step_time_s']['mean']:.3f} s, {r['throughput_samples_per_s']:.1f} samples/s, "
             f"MFU {_pct(r['mfu'])}, HFU {_pct(r['hfu'])}, bubbles {r['bubble_fraction']:.1%}, {_idle(r)}",
