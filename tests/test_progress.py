@@ -84,14 +84,17 @@ def test_heartbeat_between_updates_and_channels():
         steps = p.channel("running {}", "steps")
         clock.now = 7.0
         steps("dflop", 2, 8)
-    assert lines_of(stream)[1:] == ["dflop: running dflop: 2/8 steps, 0:07 elapsed"]
+        clock.now = 8.0
+        steps("dflop", 8, 8)
+    # the last line says that both parts are done, not only the steps
+    assert lines_of(stream)[1:] == ["dflop: done: 2 parts in 0:08, the last running dflop (8/8 steps)"]
 
 
 def test_profile_estimate():
     cpu = presets.hardware("cpu")
-    # tiny shapes all take the profiler's minimum sample (3 x 20 ms), 1 probe + 2 warm-up + 7 repeats each.
+    # tiny shapes all take the profiler's minimum sample (3 x 20 ms), 2 probes + 2 warm-up + 7 repeats each.
     tiny = profile_estimate("tiny-llm", cpu, grid="quick")
-    assert tiny.shapes == 10 and tiny.seconds == pytest.approx(10 * 10 * 0.060)
+    assert tiny.shapes == 10 and tiny.seconds == pytest.approx(10 * 11 * 0.060)
     big = profile_estimate("qwen2.5-7b", cpu)
     llm = presets.llm("qwen2.5-7b")
     # the largest block: the CPU grid's 16384 tokens as four sequences of 4096

@@ -7,8 +7,8 @@ on the same display: ``dflop run`` searches plans and then runs steps.
 
 Off a terminal (a log file, CI, a pipe) nothing is redrawn: a line like
 ``dflop: profiling tiny-llm: 12/42 shapes, 0:35 elapsed`` is written at most once per
-period, and a last line when the work is done, so a log shows that the work moves and when
-it ended without thousands of lines.
+period, and a last line when the work is done (with the number of parts, when it had several),
+so a log shows that the work moves and when it ended without thousands of lines.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class LineDisplay:
     started: float = field(init=False)
     last_line: float = field(init=False)
     latest: tuple[str, int, int, str] | None = field(init=False, default=None)
+    tasks: set[str] = field(init=False, default_factory=set)
     lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -56,6 +57,7 @@ class LineDisplay:
     def update(self, task: str, done: int, total: int, unit: str) -> None:
         with self.lock:
             self.latest = (task, done, total, unit)
+            self.tasks.add(task)
         self.tick()
 
     def tick(self) -> None:
@@ -65,9 +67,17 @@ class LineDisplay:
                 self._line(now)
 
     def close(self, finished: bool) -> None:
+        """The last line; after work of several parts (the searches of ``dflop run``, then its steps)
+        it says that all of it is done, not only the last part."""
         with self.lock:
-            if finished and self.latest is not None:
+            if not finished or self.latest is None:
+                return
+            if len(self.tasks) == 1:
                 self._line(self.clock())
+                return
+            task, done, total, unit = self.latest
+            self.write(f"dflop: done: {len(self.tasks)} parts in {elapsed(self.clock() - self.started)}, "
+                       f"the last {task} ({done}/{total} {unit})\n")
 
     def _line(self, now: float) -> None:
         task, done, total, unit = self.latest

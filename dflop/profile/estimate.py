@@ -1,7 +1,7 @@
 """How long profiling a model will take, said before it starts.
 
 Each shape of the grid costs the FLOPs of its forward and backward (three forwards) for
-every timed sample (a probe, the warm-up and the repeats), at the hardware preset's peak
+every timed sample (the probes, the warm-up and the repeats), at the hardware preset's peak
 and efficiency curve, and at least the profiler's minimum sample time. On a CPU this is an
 order of magnitude, not a promise: the ``cpu`` preset's peak is an assumption.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dflop.cost import flops as F
-from dflop.profile.profiler import GRIDS, MIN_SAMPLE_MS, REPEATS, WARMUP, default_llm, jobs, resolve
+from dflop.profile.profiler import GRIDS, MIN_SAMPLE_MS, PROBES, REPEATS, WARMUP, default_llm, jobs, resolve
 from dflop.specs import presets
 from dflop.specs.hardware import HardwareSpec
 from dflop.specs.models import MLLMSpec
@@ -51,7 +51,7 @@ def profile_estimate(name: str, hardware: HardwareSpec, *, device: str = "cpu", 
     kind, spec = resolve(name)
     chosen = GRIDS[grid or ("gpu" if device == "cuda" else "cpu")]
     pair = MLLMSpec(encoder=spec, llm=presets.llm(llm or default_llm(spec.name))) if kind == "encoder" else None
-    samples = 1 + WARMUP + (repeats or REPEATS[device])
+    samples = PROBES + WARMUP + (repeats or REPEATS[device])
     floor = 3 * MIN_SAMPLE_MS[device] / 1e3
     seconds, shapes, largest = 0.0, 0, 0.0
     for tp in tps:

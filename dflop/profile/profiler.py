@@ -75,6 +75,9 @@ MIN_SAMPLE_MS = {"cpu": 20.0, "cuda": 1.0}
 REPEATS = {"cpu": 7, "cuda": 20}
 """Timed repeats per shape unless told otherwise."""
 WARMUP = 2
+PROBES = 2
+"""Runs before the warm-up whose times are not recorded: a cold one (on CPU it also counts the
+activation bytes) and a warm one that sizes the inner loop."""
 Progress = Callable[[str, int, int], None]
 
 
