@@ -43,6 +43,7 @@ import tiny_cpu
 
 PLANS = {
     "dp2 (colocated)": dict(encoder={"dp": 2}, llm={"dp": 2}, placement="colocated", microbatches=2),
+    "dp2 ZeRO-2 (FSDP2)": dict(encoder={"dp": 2}, llm={"dp": 2}, placement="colocated", microbatches=2, zero=2),
     "pp2 1F1B": dict(encoder={}, llm={"pp": 2}, placement="colocated", microbatches=4, schedule="1F1B"),
     "pp2 GPipe": dict(encoder={}, llm={"pp": 2}, placement="colocated", microbatches=4, schedule="GPipe"),
     "pp2 ZBH1": dict(encoder={}, llm={"pp": 2}, placement="colocated", microbatches=4, schedule="ZBH1"),
