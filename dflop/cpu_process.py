@@ -45,7 +45,8 @@ def keep_freed_memory() -> bool:
     return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, NEVER_TRIM) == 1
 
 
-def set_up_cpu_process(threads: int = CPU_THREADS) -> bool:
-    """``threads`` torch threads and freed memory kept; whether memory is kept (see ``keep_freed_memory``)."""
-    torch.set_num_threads(threads)
+def set_up_cpu_process(threads: int | None = None) -> bool:
+    """``threads`` torch threads (None: ``CPU_THREADS``) and freed memory kept; whether memory is kept
+    (see ``keep_freed_memory``)."""
+    torch.set_num_threads(threads or CPU_THREADS)
     return keep_freed_memory()

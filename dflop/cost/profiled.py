@@ -132,13 +132,18 @@ def comm_measured(records: list[dict]) -> set[tuple[str, int]]:
     return {key for key, seen in ways.items() if seen == {TPComm.MEASURED}}
 
 
-def fit(records: list[dict]) -> dict[tuple, Fit]:
-    """Fits keyed by (module, phase, tp, quantity), on every record not held out."""
+def _grid_groups(records: list[dict]) -> dict[tuple, list[dict]]:
+    """The records not held out, by (module, phase, tp): what one fit is made of."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         if not r.get("holdout"):
             groups[(r["module"], r["phase"], r["tp"])].append(r)
-    return {key + (name,): f for key, rows in groups.items() for name, f in _fit_group(rows).items()}
+    return groups
+
+
+def fit(records: list[dict]) -> dict[tuple, Fit]:
+    """Fits keyed by (module, phase, tp, quantity), on every record not held out."""
+    return {key + (name,): f for key, rows in _grid_groups(records).items() for name, f in _fit_group(rows).items()}
 
 
 def _fit_group(rows: list[dict], names: tuple[str, ...] = ("fwd_ms", "bwd_ms", "memory_bytes")) -> dict[str, Fit]:
@@ -148,7 +153,8 @@ def _fit_group(rows: list[dict], names: tuple[str, ...] = ("fwd_ms", "bwd_ms", "
     packed = xs[0][1] is not None
     sq = np.array([v[1] for v in xs]) if packed else None
     samples = np.array([v[2] for v in xs]) if packed else None
-    return {name: Fit.of(x, np.array([r[name] for r in rows], dtype=float), *((sq, samples) if name != "memory_bytes" else ()))
+    return {name: Fit.of(x, np.array([r[name] for r in rows], dtype=float),
+                         *((sq, samples) if name != "memory_bytes" else ()))
             for name in names}
 
 
@@ -162,12 +168,8 @@ def off_their_neighbours(records: list[dict], factor: float = OFF_NEIGHBOURS) ->
     through every grid point, so such a record bends the model around one disturbed measurement
     (one 4096-token forward once came out 2x its neighbours'); it says nothing about held-out shapes,
     which test the model and are left as measured."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in records:
-        if not r.get("holdout"):
-            groups[(r["module"], r["phase"], r["tp"])].append(r)
     off = []
-    for rows in groups.values():
+    for rows in _grid_groups(records).values():
         grid = sorted({_shape_x(r)[0] for r in rows})
         for i, r in enumerate(rows):
             x, sq, samples = _shape_x(r)

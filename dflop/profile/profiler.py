@@ -420,7 +420,7 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
 
     def measure_(indices: list[int], what: str) -> None:
         waiting = set(indices)
-        with (_threads(device, threads) as kept,
+        with (_as_a_rank(device, threads) as kept,
               _lock_step(processes, name, str(out), options, tps, indices, warmup, repeats, threads) as (barrier, meshes)):
             torch.manual_seed(0)
             for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(_todo(r, tps, device, meshes)):
@@ -459,11 +459,11 @@ def _set_up(device: str, threads: int | None) -> bool:
     whether freed memory is kept."""
     if device != "cpu":
         return False
-    return set_up_cpu_process(*([threads] if threads else []))
+    return set_up_cpu_process(threads)
 
 
 @contextmanager
-def _threads(device: str, threads: int | None) -> Iterator[bool]:
+def _as_a_rank(device: str, threads: int | None) -> Iterator[bool]:
     """``_set_up`` with the thread count restored when the block ends (the profiler may run inside a
     longer-lived process; the memory setting stays, see ``dflop.cpu_process``)."""
     before = torch.get_num_threads()
