@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cli_helpers import assert_one_line_error, dflop, dflop_json
 from dflop.cost import StageSpec, WorkShape
-from dflop.cost.profiled import ProfiledCostModel, holdout_error, off_their_neighbours
+from dflop.cost.profiled import ProfiledCostModel, _shape_x, holdout_error, off_their_neighbours
 from dflop.cost.select import select_cost_model
 from dflop.cost.store import ProfileStore, record_key, shipped_records
 from dflop.specs import TrainingSpec, presets
@@ -169,12 +169,12 @@ def test_a_grid_record_far_off_its_neighbours_is_found_and_only_such_a_one():
     grid = [r for r in records if not r["holdout"]]
     for module, phase in (("llm", "block"), ("encoder", "block"), ("encoder", "embed")):
         group = [r for r in grid if (r["module"], r["phase"], r["tp"]) == (module, phase, 1)]
-        xs = sorted({r["shape"].get("tokens", r["shape"].get("tiles")) for r in group})
+        xs = sorted({_shape_x(r)[0] for r in group})
         for x, name, factor in ((xs[len(xs) // 2], "fwd_ms", 2.0), (xs[1], "bwd_ms", 0.5)):
-            bad = next(r for r in group if r["shape"].get("tokens", r["shape"].get("tiles")) == x)
+            bad = next(r for r in group if _shape_x(r)[0] == x)
             bent = {**bad, name: bad[name] * factor}
             assert off_their_neighbours([bent if r is bad else r for r in records]) == [bent]
-        end = next(r for r in group if r["shape"].get("tokens", r["shape"].get("tiles")) == xs[-1])
+        end = next(r for r in group if _shape_x(r)[0] == xs[-1])
         held = next(r for r in records if r["holdout"] and (r["module"], r["phase"], r["tp"]) == (module, phase, 1))
         changed = {id(end): {**end, "fwd_ms": end["fwd_ms"] * 2}, id(held): {**held, "fwd_ms": held["fwd_ms"] * 2}}
         assert off_their_neighbours([changed.get(id(r), r) for r in records]) == []  # no neighbour past the end; held out as measured
@@ -194,11 +194,15 @@ def test_a_shape_disturbed_while_measured_is_measured_once_more(tmp_path, monkey
                 "memory_bytes": 1000.0 * tokens, "inner": 1}
 
     monkeypatch.setattr(profiler, "measure", disturbed)
+    monkeypatch.setattr(profiler, "set_up_cpu_process", lambda threads: True)  # keep pytest's process as it is
     report = profiler.profile_model("tiny-llm", tmp_path, grid=grid, repeats=2, warmup=1)
     assert report.again == [{"tokens": 256, "seq": 64, "tp": 1, "phase": "block"}]
     block = {r["shape"]["tokens"]: r for r in ProfileStore.in_dir(tmp_path).read() if r["phase"] == "block"}
     assert off_their_neighbours(list(block.values())) == []  # the second measurement is the one kept
     assert len(ProfileStore.in_dir(tmp_path).path.read_text().splitlines()) == report.measured + 1
+    calls.clear()
+    checked = profiler.profile_model("tiny-llm", tmp_path / "check", grid=grid, repeats=2, warmup=1, again=False)
+    assert checked.again == [] and calls.count(("DecoderBlock", 256)) == 1  # a check keeps its first figures
 
 
 def test_collectives_are_added_only_to_tp_shards_measured_alone():

@@ -167,7 +167,8 @@ def off_their_neighbours(records: list[dict], factor: float = OFF_NEIGHBOURS) ->
     ``factor`` or more off what the fit of their group's other records predicts there. The fit runs
     through every grid point, so such a record bends the model around one disturbed measurement
     (one 4096-token forward once came out 2x its neighbours'); it says nothing about held-out shapes,
-    which test the model and are left as measured."""
+    which test the model and are left as measured. ``records`` are one model's, of one device and
+    dtype (as a fit is made of)."""
     off = []
     for rows in _grid_groups(records).values():
         grid = sorted({_shape_x(r)[0] for r in rows})

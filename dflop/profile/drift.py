@@ -135,7 +135,7 @@ def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cp
     with tempfile.TemporaryDirectory(prefix="dflop-drift-") as tmp:
         profile_model(spec.name, tmp, device=device, dtype=dtype, tps=tps, grid=grid, repeats=repeats,
                       llm=(llm or default_llm(spec.name)) if kind == "encoder" else None, processes=processes,
-                      threads=threads, progress=progress)
+                      threads=threads, progress=progress, again=False)
         now = ProfileStore.in_dir(tmp).read()
     shapes = tuple(Remeasured(stored[record_key(r)], total_ms(r))
                    for r in now if record_key(r) in stored)

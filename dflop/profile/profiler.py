@@ -76,8 +76,8 @@ REPEATS = {"cpu": 7, "cuda": 20}
 """Timed repeats per shape unless told otherwise."""
 WARMUP = 2
 PROBES = 2
-"""Runs before the warm-up whose times are not recorded: a cold one (on CPU it also counts the
-activation bytes) and a warm one that sizes the inner loop."""
+"""Runs before the warm-up whose times are not recorded: a cold one, which also measures the
+activation memory, and a warm one that sizes the inner loop."""
 Progress = Callable[[str, int, int], None]
 
 
@@ -196,11 +196,11 @@ def measure(module: nn.Module, make_inputs: Callable[[], tuple], device: str, wa
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        once, out = timer(lambda: module(*inputs))
+        _, out = timer(lambda: module(*inputs))
         memory = float(torch.cuda.max_memory_allocated() - before)
     else:
         with saved_bytes(module) as saved:
-            once, out = timer(lambda: module(*inputs))
+            _, out = timer(lambda: module(*inputs))
         memory = float(saved[0])
     _loss(out).backward()
     once, out = timer(lambda: module(*inputs))
@@ -401,11 +401,13 @@ def _twin(name: str, out: str, options: dict[str, Any], tps: tuple[int, ...], in
 def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
                   tps: tuple[int, ...] = (1,), grid: str | Grid | None = None, llm: str | None = None,
                   warmup: int = WARMUP, repeats: int | None = None, processes: int = 1,
-                  threads: int | None = None, progress: Progress | None = None) -> ProfileReport:
+                  threads: int | None = None, progress: Progress | None = None,
+                  again: bool = True) -> ProfileReport:
     """Measure model ``name``'s shapes into the store in ``out`` (see the module's docstring); on CPU
-    with ``threads`` torch threads per process (default ``CPU_THREADS``, the backend's). Grid shapes
-    measured now that sit far off their neighbours (``off_their_neighbours``) are measured once more,
-    the second measurement kept whatever it says."""
+    with ``threads`` torch threads per process (default ``CPU_THREADS``, the backend's). With ``again``,
+    grid shapes measured now that sit far off their neighbours (``off_their_neighbours``) are measured
+    once more, the second measurement kept whatever it says (a check of a profile, which measures a
+    few shapes to compare them with their records, keeps its first figures)."""
     options = {"device": device, "dtype": dtype, "grid": grid, "llm": llm}
     r = check_request(name, out, processes=processes, tps=tps, **options)
     repeats = repeats or REPEATS[device]
@@ -418,16 +420,20 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
     pending = [i for i, rec in enumerate(records) if record_key(rec) not in done]
     report = ProfileReport(0, len(records) - len(pending), r.store.path)
 
-    def measure_(indices: list[int], what: str) -> None:
+    def measure_(indices: list[int], again_: bool) -> None:
         waiting = set(indices)
         with (_as_a_rank(device, threads) as kept,
-              _lock_step(processes, name, str(out), options, tps, indices, warmup, repeats, threads) as (barrier, meshes)):
+              _lock_step(processes, name, str(out), options, tps, indices, warmup, repeats,
+                         threads) as (barrier, meshes)):
             torch.manual_seed(0)
-            for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(_todo(r, tps, device, meshes)):
-                if progress is not None:
-                    progress(f"{r.spec.name} tp{tp} {phase} {shape}{what}", index, len(records))
+            todo = _todo(r, tps, device, meshes)
+            for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(todo):
+                if progress is not None and not again_:
+                    progress(f"{r.spec.name} tp{tp} {phase} {shape}", index, len(records))
                 if index not in waiting:
                     continue
+                if progress is not None and again_:  # its own count: the shapes measured again
+                    progress(f"{r.spec.name} again", indices.index(index), len(indices))
                 module = make_module()
                 if barrier is not None:
                     barrier.wait(BARRIER_TIMEOUT_S)
@@ -438,17 +444,16 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
                                 "measured_at": datetime.now(timezone.utc).isoformat()})
 
     if pending:
-        measure_(pending, "")
+        measure_(pending, False)
         report.measured = len(pending)
         now = {record_key(records[i]) for i in pending}
         index = {record_key(rec): i for i, rec in enumerate(records)}
         mine = [rec for rec in r.store.read() if all(rec[k] == v for k, v in base.items())
                 and tp_comm_of(rec) in (None, comm)]
-        again = sorted(index[key] for key in map(record_key, off_their_neighbours(mine)) if key in now)
-        if again:
-            measure_(again, " (again: off its neighbours)")
-            report.again = [records[i]["shape"] | {"tp": records[i]["tp"], "phase": records[i]["phase"]}
-                            for i in again]
+        off = sorted(index[key] for key in map(record_key, off_their_neighbours(mine)) if key in now) if again else []
+        if off:
+            measure_(off, True)
+            report.again = [records[i]["shape"] | {"tp": records[i]["tp"], "phase": records[i]["phase"]} for i in off]
     if progress is not None:
         progress(f"{r.spec.name} done", len(records), len(records))
     return report
