@@ -446,11 +446,11 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
     if pending:
         measure_(pending, False)
         report.measured = len(pending)
-        now = {record_key(records[i]) for i in pending}
-        index = {record_key(rec): i for i, rec in enumerate(records)}
+        measured_now = {record_key(records[i]): i for i in pending}
         mine = [rec for rec in r.store.read() if all(rec[k] == v for k, v in base.items())
                 and tp_comm_of(rec) in (None, comm)]
-        off = sorted(index[key] for key in map(record_key, off_their_neighbours(mine)) if key in now) if again else []
+        off = sorted(measured_now[key] for key in map(record_key, off_their_neighbours(mine))
+                     if key in measured_now) if again else []
         if off:
             measure_(off, True)
             report.again = [records[i]["shape"] | {"tp": records[i]["tp"], "phase": records[i]["phase"]} for i in off]
