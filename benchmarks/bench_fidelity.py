@@ -99,7 +99,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             folder, start = args.fresh or Path(tmp), time.monotonic()
             for m in (model.llm, model.encoder):  # as the README's two commands
-                profile_model(m.name, folder, tps=(1, 2), processes=2)
+                profile_model(m.name, folder, tps=(1, 2), processes=2, fsdp=True)
             fresh, fresh_note = select_cost_model(model, system.hardware, system.training, [folder])
         print(f"profiled first in {time.monotonic() - start:.0f} s; {fresh_note}")
     plans = {name: tiny_cpu.plan(fields) for name, fields in PLANS.items()}

@@ -1,6 +1,8 @@
 """Communication and memory of every data-parallel mode: the formulas by hand, and the three
 evaluators (fast, reference longest path, SimPy) agreeing on plans of every mode."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import assume, given
@@ -20,6 +22,7 @@ from dflop.sim import execute
 from dflop.sim.simulate import simulate_steps
 from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec
 from dflop.workload import profile_mix
+from test_fsdp_units import UnitsMeasured
 
 S = 1e9  # ns per second
 
@@ -125,10 +128,12 @@ any_plan = st.one_of(
         st.sampled_from(["ZBVZeroBubble", "DualPipeV"]), memory_options))
 
 
-@given(any_plan, st.integers(0, 10_000))
-def test_three_evaluators_agree_on_every_data_parallel_mode(model, cluster, system_and_data, plan, seed):
+@given(any_plan, st.integers(0, 10_000), st.booleans())
+def test_three_evaluators_agree_on_every_data_parallel_mode(model, cluster, system_and_data, plan, seed, measured):
     system, data = system_and_data
     assume(not plan.problems(cluster, model, 64))
+    if measured:  # FSDP2's units priced as measured: inside the ops
+        system = replace(system, cost=UnitsMeasured(model, cluster.hardware, system.training))
     rng = np.random.default_rng(seed)
     batch = data.take(rng.integers(0, len(data), 64))
     step = StepRunner(plan, system).step(0, batch, rng.permutation(np.arange(64) % plan.bins))

@@ -38,10 +38,21 @@ def test_quick_profile_and_rerun(tmp_path, monkeypatch):
 
 def test_lock_step_processes_measure_alongside_and_a_dead_twin_stops_the_run(tmp_path):
     out = dflop_json("profile", "model", "--model", "tiny-vit", "--grid", "quick", "--repeats", 1,
-                     "--processes", 2, "--out", tmp_path)
+                     "--processes", 2, "--fsdp", "--out", tmp_path)
     records = ProfileStore.in_dir(tmp_path).read()
     assert out["measured"] == len(records) > 0 and {r["processes"] for r in records} == {2}  # one writer
     assert {r["threads"] for r in records} == {1}
+    # FSDP2's units, each sharded over both processes: the block and each fixed part, whole
+    units = {r["shape"]["params"]: r for r in records if r["phase"] == "fsdp_unit"}
+    spec = TINY.encoder
+    from dflop.models.vit import PatchEmbed, Projector, VisionBlock
+
+    sizes = [sum(p.numel() for p in m.parameters()) for m in (VisionBlock(spec), PatchEmbed(spec), Projector(TINY))]
+    assert sorted(units) == sorted(sizes)
+    assert all(r["shape"]["shards"] == 2 and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in units.values())
+    assert holdout_error(records)["shapes"] == holdout_error([r for r in records if r["phase"] != "fsdp_unit"])["shapes"]
+    assert_one_line_error(dflop("profile", "model", "--model", "tiny-vit", "--fsdp", "--out", tmp_path / "alone"),
+                          "--fsdp: FSDP2's collectives are measured in a real data-parallel group")
     assert_one_line_error(dflop("profile", "model", "--model", "tiny-vit", "--device", "cuda", "--processes", 2,
                                 "--out", tmp_path / "gpu"), "--processes 2: lock-step processes share one device only on cpu")
     from dflop.errors import DflopError
@@ -154,6 +165,17 @@ def test_a_record_that_says_it_was_measured_impossibly_is_skipped_naming_the_fie
     seen = []
     assert ProfileStore(store).read(seen.append) == [good]
     assert seen == [f"{store}:2: skipped a corrupt profile record (field '{field}' must be an integer >= 1)"]
+
+
+def test_an_fsdp_unit_record_without_its_size_is_skipped_naming_the_field(tmp_path):
+    good = next(r for r in shipped_records() if r["phase"] == "fsdp_unit")
+    store = tmp_path / "profile.jsonl"
+    bad = {**good, "shape": {"shards": 2}}
+    store.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    seen = []
+    assert ProfileStore(store).read(seen.append) == [good]
+    assert seen == [f"{store}:2: skipped a corrupt profile record (field 'shape' of an fsdp_unit record must give "
+                    "'params' and 'shards' as integers >= 1)"]
 
 
 def test_shipped_profile_predicts_held_out_shapes():

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dflop.errors import DflopError
-from dflop.models.parallel import split_blocks
+from dflop.models.parallel import shard_unit, split_blocks
 from dflop.program.stepgraph import Worker
 from dflop.specs.plan import Module, Plan, place
 
@@ -124,16 +124,9 @@ def tensor_parallel(module: nn.Module, mesh, tp: int) -> None:  # noqa: ANN001 -
 def fully_shard_stage(module: nn.Module, mesh, reshard_after_forward: bool = True) -> None:  # noqa: ANN001
     """FSDP2 over data parallelism: each block its own unit (gathered just before use), then the rest.
     Without resharding after forward the gathered weights stay until the backward (ZeRO-2's memory)."""
-    from torch.distributed.fsdp import fully_shard
-
     blocks = getattr(module, "blocks", None)
-    units = list(blocks.values()) if blocks is not None else []
-    for block in units:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    for unit in units + [module]:  # the loss is already normalised over the global batch: sum, not mean
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)  # fp32/bf16 would otherwise use PREMUL_SUM, which gloo lacks
+    for unit in (list(blocks.values()) if blocks is not None else []) + [module]:
+        shard_unit(unit, mesh, reshard_after_forward)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

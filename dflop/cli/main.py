@@ -182,10 +182,13 @@ def _data_profile_text(r: dict[str, Any]) -> str:
 @click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Measure while this many processes run the same shapes in lock-step (cpu): the way the "
                    "torch backend's ranks share the machine; TP degrees run in gloo groups of that size.")
+@click.option("--fsdp", is_flag=True, help="With --processes: also what FSDP2 adds to each unit (all-gather, "
+              "reduce-scatter) over a data-parallel group of all the processes, as ZeRO-2/3 plans run.")
 @click.option("--out", type=Output(folder=True), required=True, help="Profile store folder.")
 @json_option
 def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[int, ...], grid: str | None,
-                  repeats: int | None, pair_llm: str | None, processes: int, out: Path, as_json: bool) -> None:
+                  repeats: int | None, pair_llm: str | None, processes: int, fsdp: bool, out: Path,
+                  as_json: bool) -> None:
     """Measure one block's forward/backward time and memory over a grid of shapes."""
     from dflop.cli.progress import progress_bar
     from dflop.cost.profiled import holdout_error
@@ -194,12 +197,12 @@ def profile_model(model_name: str, device: str, dtype: str | None, tps: tuple[in
     from dflop.profile.profiler import profile_model as run_profile
 
     check_request(model_name, out, device=device, dtype=dtype, grid=grid, llm=pair_llm,
-                  processes=processes, tps=tps or (1,))  # before the estimate
+                  processes=processes, tps=tps or (1,), fsdp=fsdp)  # before the estimate
     if device == "cpu":
         _warn_cpu_profile(model_name, grid, tps or (1,), repeats, pair_llm)
     with progress_bar(f"profiling {model_name}", "shapes") as progress:
         report = run_profile(model_name, out, device=device, dtype=dtype, tps=tps or (1,), grid=grid,
-                             llm=pair_llm, repeats=repeats, processes=processes, progress=progress)
+                             llm=pair_llm, repeats=repeats, processes=processes, progress=progress, fsdp=fsdp)
     records = [r for r in ProfileStore(report.store).read(log) if r["model"] == model_name.strip().lower()]
     data = {"store": str(report.store), "measured": report.measured, "reused": report.reused,
             "measured_again": report.again, "records": len(records), "holdout_error": holdout_error(records)}

@@ -100,6 +100,10 @@ class AnalyticalCostModel:
         t = self._seconds(flops / tp)
         return StageCost(t, t, t, act_bytes, flops / tp, transient)
 
+    def fsdp_unit(self, shards: int) -> None:
+        """Never measured: a sharded plan's collectives are modelled from their bytes (``dpcomm``)."""
+        return None
+
     def stage_cost(self, stage: StageSpec, shape: WorkShape) -> StageCost:
         if stage.module == "encoder":
             return self._encoder(stage, shape)

@@ -26,6 +26,11 @@ profiled in a real TP group (``tp_comm: measured``) holds its collectives in
 its figures; one profiled as a shard alone gets the analytical model's
 all-reduces, as does every TP degree that was not profiled (the tp=1 compute
 divided by tp).
+
+A profile measured with FSDP2's units (``fsdp_unit`` records, lock-step
+processes on a CPU) prices what a sharded plan (ZeRO-2/3) adds to a unit from
+them: seconds = a + b * parameters, all-gather and reduce-scatter apart, fitted
+per shard count (``fsdp_unit``).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import numpy as np
 
 from dflop.cost.analytical import AnalyticalCostModel
 from dflop.cost.protocol import StageCost, StageSpec, WorkShape
-from dflop.cost.store import TPComm, tp_comm_of
+from dflop.cost.store import FSDP_UNIT, TPComm, tp_comm_of
 from dflop.errors import DflopError
 from dflop.specs.hardware import HardwareSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
@@ -133,10 +138,11 @@ def comm_measured(records: list[dict]) -> set[tuple[str, int]]:
 
 
 def _grid_groups(records: list[dict]) -> dict[tuple, list[dict]]:
-    """The records not held out, by (module, phase, tp): what one fit is made of."""
+    """The records not held out, by (module, phase, tp): what one fit is made of (FSDP2's units
+    are fitted apart, ``fsdp_unit_fits``)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
-        if not r.get("holdout"):
+        if not r.get("holdout") and r["phase"] != FSDP_UNIT:
             groups[(r["module"], r["phase"], r["tp"])].append(r)
     return groups
 
@@ -183,6 +189,37 @@ def off_their_neighbours(records: list[dict], factor: float = OFF_NEIGHBOURS) ->
     return off
 
 
+@dataclass(frozen=True)
+class UnitFit:
+    """Milliseconds FSDP2 adds to a unit, a + b * parameters, for its all-gather and its reduce-scatter."""
+
+    gather: tuple[float, float]
+    reduce: tuple[float, float]
+
+    def __call__(self, params: float) -> tuple[float, float]:
+        """(all-gather, reduce-scatter) seconds of a unit of ``params`` parameters."""
+        return tuple((a + b * params) * 1e-3 for a, b in (self.gather, self.reduce))
+
+
+def fsdp_unit_fits(records: list[dict]) -> dict[int, UnitFit]:
+    """Per shard count, the fit of the ``fsdp_unit`` records measured over that many processes."""
+    by_shards: dict[int, list[dict]] = defaultdict(list)
+    for r in records:
+        if r["phase"] == FSDP_UNIT:
+            by_shards[int(r["shape"]["shards"])].append(r)
+
+    def line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        a, b = nnls(np.stack([np.ones_like(x), x], axis=-1), y) if len(set(x)) > 1 else (float(np.median(y)), 0.0)
+        return float(a), float(b)
+
+    fits = {}
+    for shards, rows in by_shards.items():
+        x = np.array([r["shape"]["params"] for r in rows], dtype=float)
+        fits[shards] = UnitFit(*(line(x, np.array([r[name] for r in rows], dtype=float))
+                                 for name in ("fwd_ms", "bwd_ms")))
+    return fits
+
+
 def holdout_error(records: list[dict], fits: dict[tuple, Fit] | None = None) -> dict[str, float]:
     """Relative error of the fits on the held-out measurements (forward and backward)."""
     fits = fit(records) if fits is None else fits
@@ -210,12 +247,19 @@ class ProfiledCostModel:
     dtype: str
     fits: dict[tuple, Fit] = field(default_factory=dict)
     measured_comm: set[tuple[str, int]] = field(default_factory=set)
+    unit_fits: dict[int, UnitFit] = field(default_factory=dict)
     _warned: set = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.analytical = AnalyticalCostModel(self.model, self.hardware, self.training)
         self.fits = fit(self.records)
         self.measured_comm = comm_measured(self.records)
+        self.unit_fits = fsdp_unit_fits(self.records)
+
+    def fsdp_unit(self, shards: int) -> UnitFit | None:
+        """What FSDP2 adds to a unit sharded over ``shards`` ranks, as measured (None: not measured
+        over that many; the analytical collectives apply)."""
+        return self.unit_fits.get(shards)
 
     @property
     def name(self) -> str:

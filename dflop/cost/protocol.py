@@ -10,7 +10,7 @@ answers it can drive them.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -134,3 +134,7 @@ class CostModel(Protocol):
 
     def stage_cost(self, stage: StageSpec, shape: WorkShape) -> StageCost:
         """Cost of ``stage`` on microbatch(es) of ``shape``."""
+
+    def fsdp_unit(self, shards: int) -> Callable[[float], tuple[float, float]] | None:
+        """(all-gather, reduce-scatter) seconds FSDP2 adds to a unit of so many parameters sharded
+        over ``shards`` ranks, where measured (None: the collectives are modelled from bytes)."""

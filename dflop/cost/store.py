@@ -24,6 +24,10 @@ from dflop.specs.loading import NotJson, parse_json, read_text
 
 FILENAME = "profile.jsonl"
 KEY_FIELDS = ("device", "module", "model", "dtype", "tp", "phase")
+FSDP_UNIT = "fsdp_unit"
+"""The phase of a record of what FSDP2 adds to one unit: ``fwd_ms`` to its forward (the weights'
+all-gather), ``bwd_ms`` to its backward (the gradients' reduce-scatter); shape ``params`` (the
+unit's) and ``shards``."""
 
 
 class TPComm(str, Enum):
@@ -64,6 +68,9 @@ def _problem(record: Any) -> str | None:
     shape = record.get("shape")
     if not isinstance(shape, dict) or not shape or not all(_finite(v) for v in shape.values()):
         return "field 'shape' must map names to finite numbers"
+    if record["phase"] == FSDP_UNIT and not all(isinstance(shape.get(k), int) and shape[k] >= 1
+                                                 for k in ("params", "shards")):
+        return f"field 'shape' of an {FSDP_UNIT} record must give 'params' and 'shards' as integers >= 1"
     for name in ("fwd_ms", "bwd_ms", "memory_bytes"):
         value = record.get(name)
         if not _finite(value) or value < 0:

@@ -1,8 +1,10 @@
-"""Megatron's tensor-parallel split of a transformer block, with torch's tensor-parallel API.
+"""Megatron's tensor-parallel split of a transformer block, with torch's tensor-parallel API, and
+FSDP2's unit over data parallelism.
 
-One definition for everything that runs a block over a TP group: the torch
-backend's stages and the profiler, which measures a block the way the backend
-runs it (DTensor's dispatch and the group's collectives included).
+One definition for everything that runs a block over a TP group, or a unit over
+a sharded data-parallel group: the torch backend's stages and the profiler,
+which measures them the way the backend runs them (DTensor's dispatch, FSDP2's
+hooks and the group's collectives included).
 """
 
 from __future__ import annotations
@@ -30,3 +32,14 @@ def split_blocks(blocks: Iterable[nn.Module], mesh) -> None:  # noqa: ANN001 - a
         plan = {**{n: ColwiseParallel() for n in COLUMN_WISE if n in names},
                 **{n: RowwiseParallel() for n in ROW_WISE if n in names}}
         parallelize_module(block, mesh, plan)
+
+
+def shard_unit(module: nn.Module, mesh, reshard_after_forward: bool = True) -> None:  # noqa: ANN001 - DeviceMesh
+    """``module`` one FSDP2 unit over ``mesh``, its gradients summed, not averaged (the loss is
+    normalised over the global batch already), and reduced with SUM: fp32 and bf16 would otherwise
+    use PREMUL_SUM, which gloo lacks."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)

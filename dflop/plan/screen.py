@@ -22,7 +22,7 @@ from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.plan.evaluate import Evaluator, inflight_by_stage
 from dflop.program.actions import Kind
 from dflop.program.costing import group_state
-from dflop.program.dpcomm import GroupComm, fsdp_op, group_comm
+from dflop.program.dpcomm import GroupComm, fsdp_op, group_comm, rank_units
 from dflop.program.schedules import canonical, splits_backward
 from dflop.program.template import plan_groups
 from dflop.schedule.batching import Batching
@@ -93,13 +93,15 @@ class Screener:
                                            self.p.cluster.gpus_per_node)
         return self._state[key]
 
-    def _group_comm(self, plan: Plan, module: str, stage: int, params: float) -> GroupComm | None:
+    def _group_comm(self, plan: Plan, module: str, stage: int, stages: tuple[int, ...],
+                    params: float) -> GroupComm | None:
         mp = plan.module(module)
-        key = (module, stage, params, mp.tp, mp.dp, plan.zero, plan.hsdp, plan.fp32_grads, plan.placement,
+        key = (module, stage, stages, params, mp.tp, mp.dp, plan.zero, plan.hsdp, plan.fp32_grads, plan.placement,
                plan.encoder.gpus)
         if key not in self._comm:
             self._comm[key] = group_comm(plan, self.p.model, self.p.training, self.p.cluster, params, mp.tp,
-                                         dp_group(plan, module, stage))
+                                         dp_group(plan, module, stage), self.p.cost,
+                                         rank_units(plan, self.p.model, module, stages))
         return self._comm[key]
 
     def screen(self, plan: Plan, batching: Batching) -> Screen:
@@ -167,7 +169,7 @@ class Screener:
             rank_w.append(w)
             params, state = self._group_state(plan, layers, module, stages, tp)
             out.append((module, local, specs, state, held[group.index]))
-            comm = self._group_comm(plan, module, local, params)
+            comm = self._group_comm(plan, module, local, stages, params)
             if comm is not None:
                 rank_time[-1] += self._exposed(plan, comm, parts, i + w) / plan.microbatches
         estimate = closed_form(plan, virtual, rank_time, rank_f, rank_i, rank_w)
@@ -189,6 +191,8 @@ class Screener:
             g_f, t_f, _ = fsdp_op(Kind.F, comm.units, fwd, s)
             g_b, t_b, _ = fsdp_op(Kind.B, comm.units, bwd, s)
             return m * (g_f + g_b + float(t_f) + float(t_b) - sum(fwd.values()) - sum(bwd.values()))
+        if comm.inline:  # measured FSDP2 units: inside every backward
+            return m * comm.reduce
         total = comm.reduce + comm.gather
         tail = float(bucket_lag(backward, total, comm.buckets)) + total - backward
         if plan.zero == 2:  # every microbatch reduce-scatters beside its backward

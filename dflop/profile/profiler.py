@@ -35,6 +35,17 @@ Megatron model prices), and the cost model adds none of its own. Alone
 (``processes`` 1, and on a GPU) a TP degree is measured as one shard of the
 block and its collectives are modelled (``tp_comm: modelled``).
 
+With ``fsdp`` (lock-step processes only) it also measures what FSDP2 adds to a
+unit, the way the backend runs ZeRO-2/3 (``dflop.models.parallel.shard_unit``
+over a data-parallel group of all the processes): per unit (the block, and each
+fixed part) the time its forward (``fwd_ms``: the weights' all-gather) and its
+backward (``bwd_ms``: the gradients' reduce-scatter) take beyond the same unit
+unsharded, phase ``fsdp_unit``, shape ``params`` and ``shards``. On gloo that is
+several times what the collectives' bytes cost at the fitted bandwidth (FSDP2's
+hooks, copy-in and copy-out), and on a CPU whose cores all compute it hides
+behind nothing; the cost model prices a sharded plan's units from these
+(``ProfiledCostModel.fsdp_unit``).
+
 Every record is appended to the store as soon as it is measured; shapes
 already in the store are skipped, so an interrupted run resumes where it
 stopped. A few shapes between grid points are measured too and marked
@@ -49,6 +60,7 @@ import multiprocessing
 import statistics
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -61,11 +73,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dflop.cost.profiled import off_their_neighbours
-from dflop.cost.store import ProfileStore, TPComm, record_key, tp_comm_of
+from dflop.cost.store import FSDP_UNIT, ProfileStore, TPComm, record_key, tp_comm_of
 from dflop.cpu_process import set_up_cpu_process
 from dflop.errors import DflopError
 from dflop.models.llm import DecoderBlock, RMSNorm, pack, shard, wide
-from dflop.models.parallel import split_blocks
+from dflop.models.parallel import shard_unit, split_blocks
 from dflop.models.vit import PatchEmbed, Projector, VisionBlock
 from dflop.specs import presets
 from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
@@ -75,6 +87,8 @@ MIN_SAMPLE_MS = {"cpu": 20.0, "cuda": 1.0}
 REPEATS = {"cpu": 7, "cuda": 20}
 """Timed repeats per shape unless told otherwise."""
 WARMUP = 2
+UNIT_REPEATS = 3
+"""An FSDP2 unit's collectives are timed this many times the repeats of a shape."""
 PROBES = 2
 """Runs before the warm-up whose times are not recorded: a cold one, which also measures the
 activation memory, and a warm one that sizes the inner loop."""
@@ -225,6 +239,47 @@ def measure(module: nn.Module, make_inputs: Callable[[], tuple], device: str, wa
             "inner": inner}
 
 
+def measure_fsdp_unit(pair: nn.ModuleDict, make_inputs: Callable[[], tuple], device: str, warmup: int,
+                      repeats: int, group: Any) -> dict[str, float]:
+    """What FSDP2 adds to one unit's forward and backward, as the backend runs ZeRO-2: the median
+    forward and backward of ``pair["sharded"]`` (``shard_unit``'d over ``group``, kept gathered from
+    its forward to its backward, resharded after it) less those of ``pair["plain"]``, the same unit
+    unsharded, the two taking turns so that a drifting machine slows both alike. The forward's share
+    is the weights' all-gather, the backward's the gradients' reduce-scatter and the release; both
+    hold FSDP2's hooks and copies. Every microbatch runs both, one forward then one backward, as
+    timed here. The ranks of ``group`` agree on the inner loop, as in ``measure``."""
+    timer = Timer(device)
+
+    def run(module: nn.Module, inner: int) -> tuple[float, float]:
+        fwd = bwd = 0.0
+        for _ in range(inner):
+            inputs = make_inputs()
+            t_fwd, out = timer(lambda: module(*inputs))
+            loss = _loss(out)
+            t_bwd, _ = timer(loss.backward)
+            fwd, bwd = fwd + t_fwd, bwd + t_bwd
+        module.zero_grad(set_to_none=True)
+        return fwd / inner, bwd / inner
+
+    for module in pair.values():  # the root's lazy initialisation, then a warm one
+        run(module, 1)
+    once = sum(run(pair["plain"], 1)) + sum(run(pair["sharded"], 1))
+    agreed = torch.tensor([max(1, math.ceil(MIN_SAMPLE_MS[device] / max(once, 1e-3)))])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    inner = int(agreed.item())
+    times: dict[str, list[tuple[float, float]]] = {"plain": [], "sharded": []}
+    for i in range(warmup + UNIT_REPEATS * repeats):  # a few ms each: cheap, and noisier than compute
+        for name in ("plain", "sharded") if i % 2 else ("sharded", "plain"):
+            figures = run(pair[name], inner)
+            if i >= warmup:
+                times[name].append(figures)
+    median = {name: [statistics.median(t[k] for t in rows) for k in (0, 1)] for name, rows in times.items()}
+    return {"fwd_ms": max(median["sharded"][0] - median["plain"][0], 0.0),
+            "bwd_ms": max(median["sharded"][1] - median["plain"][1], 0.0),
+            "fwd_spread": _spread([t[0] for t in times["sharded"]]), "bwd_spread": _spread([t[1] for t in times["sharded"]]),
+            "memory_bytes": 0.0, "inner": inner}
+
+
 class _Head(nn.Module):
     """Final norm, LM head and the loss: what the last LLM stage adds."""
 
@@ -291,6 +346,27 @@ def jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: 
                lambda n=tiles: (tensor(n, side * side, spec.hidden),))
 
 
+def fsdp_jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, grid: Grid, dtype: torch.dtype, device: str,
+              shards: int, mesh: Any = None) -> Iterator[tuple[str, dict[str, int], bool, Callable[[], nn.Module],
+                                                                Callable[[], tuple]]]:
+    """Every FSDP2 unit to measure over ``shards`` processes (``mesh``, when measuring): the block and
+    each fixed part, whole, on the grid's smallest inputs (the collectives do not depend on them, and
+    the compute they are told apart from had better be small)."""
+    parts = {}
+    for phase, _, holdout, make_module, make_inputs in jobs(kind, spec, pair, 1, grid, dtype, device):
+        if not holdout and phase not in parts:
+            parts[phase] = (make_module, make_inputs)
+    with torch.device("meta"):  # counted without allocating (a real-size block on a CPU)
+        params = {phase: sum(p.numel() for p in make().parameters())
+                  for phase, _, holdout, make, _ in jobs(kind, spec, pair, 1, grid, dtype, "meta") if not holdout}
+    for phase, (make_module, make_inputs) in parts.items():
+        def unit(make: Callable[[], nn.Module] = make_module) -> nn.ModuleDict:
+            pair = nn.ModuleDict({"plain": make(), "sharded": make()})
+            shard_unit(pair["sharded"], mesh, reshard_after_forward=False)
+            return pair
+        yield FSDP_UNIT, {"params": params[phase], "shards": shards}, False, unit, make_inputs
+
+
 def default_llm(encoder: str) -> str:
     return "tiny-llm" if encoder.startswith("tiny") else "qwen2.5-7b"
 
@@ -315,12 +391,17 @@ class Request:
     torch_dtype: torch.dtype
     grid: Grid
     store: ProfileStore
+    fsdp: int
+    """Processes FSDP2's units are measured over (0: not measured)."""
 
 
 def check_request(name: str, out: str | Path, *, device: str = "cpu", dtype: str | None = None,
                   grid: str | Grid | None = None, llm: str | None = None, processes: int = 1,
-                  tps: tuple[int, ...] = (1,)) -> Request:
+                  tps: tuple[int, ...] = (1,), fsdp: bool = False) -> Request:
     """``grid``: a grid's name, or the shapes themselves (a drift check measures a few stored ones)."""
+    if fsdp and processes < 2:
+        raise DflopError("--fsdp: FSDP2's collectives are measured in a real data-parallel group of lock-step "
+                         "processes; give --processes 2 or more")
     if processes > 1 and device != "cpu":
         raise DflopError(f"--processes {processes}: lock-step processes share one device only on cpu; on cuda "
                          "every rank has its own GPU (use --processes 1)")
@@ -343,7 +424,7 @@ def check_request(name: str, out: str | Path, *, device: str = "cpu", dtype: str
         grid = GRIDS[grid or ("gpu" if device == "cuda" else "cpu")]
     store = ProfileStore.in_dir(out)
     store.read()  # a store that cannot be read fails here, not after the first shape
-    return Request(kind, spec, pair, dtype, torch_dtype, grid, store)
+    return Request(kind, spec, pair, dtype, torch_dtype, grid, store, processes if fsdp else 0)
 
 
 BARRIER_TIMEOUT_S = 1800.0
@@ -352,48 +433,70 @@ COLLECTIVE_TIMEOUT_S = 300.0
 """How long a TP group's collective waits for a peer: one op's skew, far below a shape's time."""
 
 
-def _todo(r: Request, tps: tuple[int, ...], device: str, meshes: dict[int, Any]) -> list:
-    return [(tp, job) for tp in tps
-            for job in jobs(r.kind, r.spec, r.pair, tp, r.grid, r.torch_dtype, device, meshes.get(tp))]
+@dataclass(frozen=True)
+class Meshes:
+    """The lock-step processes' device meshes this process is in (none: measuring alone)."""
+
+    tp: dict[int, Any] = field(default_factory=dict)
+    """Per TP degree > 1, this process's TP group."""
+    dp: Any = None
+    """Every process: the data-parallel group FSDP2's units are sharded over."""
 
 
-def _join(store: Any, rank: int, processes: int, tps: tuple[int, ...]) -> dict[int, Any]:
+def _todo(r: Request, tps: tuple[int, ...], device: str, meshes: Meshes) -> list:
+    todo = [(tp, job) for tp in tps
+            for job in jobs(r.kind, r.spec, r.pair, tp, r.grid, r.torch_dtype, device, meshes.tp.get(tp))]
+    if r.fsdp:
+        todo += [(1, job) for job in fsdp_jobs(r.kind, r.spec, r.pair, r.grid, r.torch_dtype, device, r.fsdp,
+                                               meshes.dp)]
+    return todo
+
+
+def _join(store: Any, rank: int, processes: int, tps: tuple[int, ...], fsdp: bool) -> Meshes:
     """Join the lock-step processes' gloo group; per TP degree > 1 this process's TP group, the
-    processes split into consecutive groups of ``tp`` (every process makes every mesh, in the same
-    order: making one is collective)."""
+    processes split into consecutive groups of ``tp``, and with ``fsdp`` one of all of them (every
+    process makes every mesh, in the same order: making one is collective)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=processes,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return {tp: init_device_mesh("cpu", (processes // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
-            for tp in tps if tp > 1}
+    return Meshes({tp: init_device_mesh("cpu", (processes // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+                   for tp in tps if tp > 1},
+                  init_device_mesh("cpu", (processes,), mesh_dim_names=("dp",)) if fsdp else None)
 
 
-def _group(meshes: dict[int, Any], tp: int) -> Any:
-    """The process group of this process's TP group of degree ``tp`` (None: measured alone)."""
-    return meshes[tp].get_group() if tp in meshes else None
+def _measure_job(phase: str, module: nn.Module, make_inputs: Callable[[], tuple], device: str, warmup: int,
+                 repeats: int, meshes: Meshes, tp: int) -> dict[str, float]:
+    """``measure`` a module (in this process's TP group of degree ``tp``, if it is in one), or
+    ``measure_fsdp_unit`` an FSDP2 unit."""
+    if phase == FSDP_UNIT:
+        with warnings.catch_warnings():  # the projector returns a view; nothing here writes into it
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            return measure_fsdp_unit(module, make_inputs, device, warmup, repeats, meshes.dp.get_group())
+    return measure(module, make_inputs, device, warmup, repeats,
+                   meshes.tp[tp].get_group() if tp in meshes.tp else None)
 
 
 def _twin(name: str, out: str, options: dict[str, Any], tps: tuple[int, ...], indices: list[int],
           warmup: int, repeats: int, threads: int | None, barrier: Any, rank: int, port: int | None) -> None:
     """A process that measures the same shapes as the recording one, at the same time, and keeps nothing
-    (with ``port``, in TP groups with it)."""
-    r = check_request(name, out, **options)
+    (with ``port``, in TP groups with it, or a data-parallel one for FSDP2's units)."""
+    r = check_request(name, out, processes=barrier.parties, tps=tps, **options)
     device = options["device"]
     _set_up(device, threads)
-    meshes = {}
+    meshes = Meshes()
     if port is not None:
         barrier.wait(BARRIER_TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", port, barrier.parties, is_master=False,
                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        meshes = _join(store, rank, barrier.parties, tps)
+        meshes = _join(store, rank, barrier.parties, tps, bool(r.fsdp))
     todo = _todo(r, tps, device, meshes)
     torch.manual_seed(0)
     for i in indices:
-        tp, (_, _, _, make_module, make_inputs) = todo[i]
+        tp, (phase, _, _, make_module, make_inputs) = todo[i]
         module = make_module()  # before the barrier, as the recording process: splitting a block is collective
         barrier.wait(BARRIER_TIMEOUT_S)
-        measure(module, make_inputs, device, warmup, repeats, _group(meshes, tp))
+        _measure_job(phase, module, make_inputs, device, warmup, repeats, meshes, tp)
     if port is not None:
         dist.destroy_process_group()
 
@@ -402,13 +505,14 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
                   tps: tuple[int, ...] = (1,), grid: str | Grid | None = None, llm: str | None = None,
                   warmup: int = WARMUP, repeats: int | None = None, processes: int = 1,
                   threads: int | None = None, progress: Progress | None = None,
-                  again: bool = True) -> ProfileReport:
+                  again: bool = True, fsdp: bool = False) -> ProfileReport:
     """Measure model ``name``'s shapes into the store in ``out`` (see the module's docstring); on CPU
     with ``threads`` torch threads per process (default ``CPU_THREADS``, the backend's). With ``again``,
     grid shapes measured now that sit far off their neighbours (``off_their_neighbours``) are measured
     once more, the second measurement kept whatever it says (a check of a profile, which measures a
-    few shapes to compare them with their records, keeps its first figures)."""
-    options = {"device": device, "dtype": dtype, "grid": grid, "llm": llm}
+    few shapes to compare them with their records, keeps its first figures). With ``fsdp``, FSDP2's
+    units too (``measure_fsdp_unit``)."""
+    options = {"device": device, "dtype": dtype, "grid": grid, "llm": llm, "fsdp": fsdp}
     r = check_request(name, out, processes=processes, tps=tps, **options)
     repeats = repeats or REPEATS[device]
     comm = TPComm.MEASURED if processes > 1 else TPComm.MODELLED
@@ -416,7 +520,7 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
     base = {"device": device_name(device), "module": r.kind, "model": r.spec.name, "dtype": r.dtype}
     records = [{**base, "tp": tp, "phase": phase, "shape": shape,
                 **({"tp_comm": comm.value} if tp > 1 else {})}
-               for tp, (phase, shape, *_) in _todo(r, tps, device, {})]
+               for tp, (phase, shape, *_) in _todo(r, tps, device, Meshes())]
     pending = [i for i, rec in enumerate(records) if record_key(rec) not in done]
     report = ProfileReport(0, len(records) - len(pending), r.store.path)
 
@@ -424,7 +528,7 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
         waiting = set(indices)
         with (_as_a_rank(device, threads) as kept,
               _lock_step(processes, name, str(out), options, tps, indices, warmup, repeats,
-                         threads) as (barrier, meshes)):
+                         threads, bool(r.fsdp)) as (barrier, meshes)):
             torch.manual_seed(0)
             todo = _todo(r, tps, device, meshes)
             for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(todo):
@@ -437,7 +541,7 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
                 module = make_module()
                 if barrier is not None:
                     barrier.wait(BARRIER_TIMEOUT_S)
-                figures = measure(module, make_inputs, device, warmup, repeats, _group(meshes, tp))
+                figures = _measure_job(phase, module, make_inputs, device, warmup, repeats, meshes, tp)
                 r.store.append({**records[index], **figures, "holdout": holdout, "repeats": repeats,
                                 "torch": torch.__version__, "threads": torch.get_num_threads(), "processes": processes,
                                 **({"freed_memory": "kept" if kept else "returned"} if device == "cpu" else {}),
@@ -481,18 +585,18 @@ def _as_a_rank(device: str, threads: int | None) -> Iterator[bool]:
 @contextmanager
 def _lock_step(processes: int, name: str, out: str, options: dict[str, Any], tps: tuple[int, ...],
                pending: list[int], warmup: int, repeats: int,
-               threads: int | None) -> Iterator[tuple[Any, dict[int, Any]]]:
+               threads: int | None, fsdp: bool = False) -> Iterator[tuple[Any, Meshes]]:
     """``processes - 1`` twins measuring ``pending`` alongside this process, the barrier they share
-    (None when measuring alone) and, with TP degrees > 1, this process's TP group per degree. A twin
+    (None when measuring alone) and the meshes of ``_join`` (with TP degrees > 1, or ``fsdp``). A twin
     that dies breaks the barrier (or the group's collective): the run stops with an error, and what
     was recorded stays in the store."""
     if processes <= 1 or not pending:
-        yield None, {}
+        yield None, Meshes()
         return
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(processes)
     store = None
-    if any(tp > 1 for tp in tps):  # rank 0's store, on a port the OS picks
+    if fsdp or any(tp > 1 for tp in tps):  # rank 0's store, on a port the OS picks
         store = dist.TCPStore("127.0.0.1", 0, processes, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     port = store.port if store is not None else None
@@ -505,10 +609,10 @@ def _lock_step(processes: int, name: str, out: str, options: dict[str, Any], tps
     threading.Thread(target=_abort_when_a_twin_dies, args=(twins, barrier, done), daemon=True).start()
     joined = False
     try:
-        meshes = {}
+        meshes = Meshes()
         if store is not None:
             barrier.wait(BARRIER_TIMEOUT_S)  # every twin started: joining the group cannot wait on a dead one
-            meshes, joined = _join(store, 0, processes, tps), True
+            meshes, joined = _join(store, 0, processes, tps, fsdp), True
         yield barrier, meshes
     except RuntimeError as exc:  # BrokenBarrierError is one
         collective = isinstance(exc, dist.DistError) or "gloo" in str(exc)
@@ -519,7 +623,7 @@ def _lock_step(processes: int, name: str, out: str, options: dict[str, Any], tps
         codes = [t.exitcode for t in twins if t.exitcode not in (None, 0)]
         why = f" (exit code {codes[0]})" if codes else ""
         if collective and not codes:
-            why = f" (a TP group's collective failed: {str(exc).splitlines()[0]})"
+            why = f" (a group's collective failed: {str(exc).splitlines()[0]})"
         raise DflopError(f"--processes {processes}: a lock-step profiling process stopped{why}; the shapes "
                          f"measured so far are kept in {out}") from None
     finally:

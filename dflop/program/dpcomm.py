@@ -17,6 +17,14 @@ applied to every step's op durations:
   exposed ``UNSHARD`` before the op, the last reductions are exposed after it.
 
 Bandwidths come from where the group's GPUs are (``comm.collective_link``).
+
+A cost model that measured FSDP2's units over the group's shard count
+(``CostModel.fsdp_unit``: lock-step CPU processes, where a unit's collectives cost
+several times their bytes and, every core computing, hide behind nothing) prices
+ZeRO-2/3 from that instead: per unit its measured all-gather and reduce-scatter,
+run *inside* the op (FSDP2's hooks), not beside it (``inline``). ZeRO-2 then
+costs every backward the rank's units' reduce-scatters and the all-gathers of
+the next forward (FSDP2 reshards after each backward), as the backend runs it.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflop.cost.comm import allgather_time, collective_link, reduce_scatter_time, ring_allreduce_time
-from dflop.cost.memory import grad_bytes, layer_params
+from dflop.cost.memory import grad_bytes, layer_params, stage_params
+from dflop.cost.protocol import CostModel, StageSpec
 from dflop.cost.overlap import bucket_lag, bucket_slowdown, unit_chain
 from dflop.program.actions import Kind
 from dflop.program.collectives import CollectiveSpec
@@ -59,6 +68,8 @@ class Units:
     """Seconds to gather one unit's weights, per unit kind ('encoder', 'llm', 'root')."""
     reduce: dict[str, float]
     """Seconds to reduce one unit's gradients (reduce-scatter, plus HSDP's all-reduce)."""
+    inline: bool = False
+    """Measured: the collectives run inside the op, after one another and its compute."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,8 @@ class GroupComm:
     """Seconds of the updated weights' all-gather (ZeRO-1/2), carried by the last reduction."""
     buckets: int
     units: Units | None
+    inline: bool = False
+    """Measured FSDP2 units (ZeRO-2): the reduction runs inside the backward it follows."""
 
 
 def shard_degree(plan: Plan, per_node: int, dp: int, tp: int) -> int:
@@ -80,10 +93,26 @@ def shard_degree(plan: Plan, per_node: int, dp: int, tp: int) -> int:
     return shards if dp % shards == 0 else dp
 
 
+def rank_units(plan: Plan, model: MLLMSpec, module: str, stages: tuple[int, ...]) -> tuple[float, ...]:
+    """Parameters of every FSDP2 unit of a pipeline rank holding ``stages`` of ``module``, as the
+    backend shards them: each block its own unit, then each stage's rest (embeddings, head,
+    projector), and the colocated encoder's on the LLM's first rank."""
+    layers = plan.stage_layers(module, model)
+    parts = [(module, StageSpec.of(module, layers, s, 1)) for s in stages]
+    if module == "llm" and plan.colocated and 0 in stages:
+        parts.append(("encoder", StageSpec("encoder", model.encoder.layers, 1, first=True, last=True)))
+    out: list[float] = []
+    for m, spec in parts:
+        layer = layer_params(model, m)
+        out += [float(layer)] * spec.layers + [float(stage_params(model, spec) - spec.layers * layer)]
+    return tuple(out)
+
+
 def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: ClusterSpec, params: float,
-           tp: int, dp_gpus: list[int]) -> Units:
+           tp: int, dp_gpus: list[int], cost: CostModel | None) -> Units:
     d = len(dp_gpus)
     shards = shard_degree(plan, cluster.gpus_per_node, d, tp)
+    measured = cost.fsdp_unit(shards) if cost is not None else None
     shard_link = collective_link(cluster, dp_gpus[:shards])
     across = dp_gpus[::shards]
     across_link = collective_link(cluster, across)
@@ -93,20 +122,30 @@ def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: Cluster
     sizes["root"] = params - sum(layers[m] * sizes[m] for m in layers)
     gather, reduce = {}, {}
     for kind, p in sizes.items():
-        gather[kind] = float(allgather_time(p / tp * training.weight_bytes, shards, *shard_link))
-        reduce[kind] = float(reduce_scatter_time(p / tp * gb, shards, *shard_link)
-                             + ring_allreduce_time(p / tp * gb / shards, len(across), *across_link))
-    return Units(layers, gather, reduce)
+        across_s = float(ring_allreduce_time(p / tp * gb / shards, len(across), *across_link))
+        if measured is not None:
+            gather[kind], reduce_s = measured(p / tp)
+            reduce[kind] = reduce_s + across_s
+        else:
+            gather[kind] = float(allgather_time(p / tp * training.weight_bytes, shards, *shard_link))
+            reduce[kind] = float(reduce_scatter_time(p / tp * gb, shards, *shard_link)) + across_s
+    return Units(layers, gather, reduce, inline=measured is not None)
 
 
 def group_comm(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: ClusterSpec, params: float,
-               tp: int, dp_gpus: list[int]) -> GroupComm | None:
-    """The constants of one pipeline rank's data-parallel communication (None without replicas)."""
+               tp: int, dp_gpus: list[int], cost: CostModel | None = None,
+               units: tuple[float, ...] = ()) -> GroupComm | None:
+    """The constants of one pipeline rank's data-parallel communication (None without replicas);
+    ``units``: its FSDP2 units' parameters (``rank_units``), for ZeRO-2 priced by ``cost``'s
+    measurements of them where it has some."""
     d = len(dp_gpus)
     if d < 2:
         return None
     if plan.zero == 3:
-        return GroupComm(0.0, 0.0, 1, _units(plan, model, training, cluster, params, tp, dp_gpus))
+        return GroupComm(0.0, 0.0, 1, _units(plan, model, training, cluster, params, tp, dp_gpus, cost))
+    measured = cost.fsdp_unit(d) if cost is not None and plan.zero == 2 and units else None
+    if measured is not None:
+        return GroupComm(float(sum(sum(measured(p / tp)) for p in units)), 0.0, 1, None, inline=True)
     link = collective_link(cluster, dp_gpus)
     grads = params / tp * grad_bytes(training, plan.fp32_grads)
     if plan.zero == 0:
@@ -119,8 +158,12 @@ def group_comm(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: Clu
 
 
 def reduction(spec: CollectiveSpec, comm: GroupComm, duration: list[np.ndarray], slowdown: float) -> TimedCollective:
-    """Price a REDUCE_GRAD and slow its anchor's ``duration`` (ns, per replica) in place."""
+    """Price a REDUCE_GRAD and slow its anchor's ``duration`` (ns, per replica) in place (an
+    ``inline`` one lengthens it by its whole time, and takes none of its own after it)."""
     seconds = comm.reduce + (comm.gather if spec.last else 0.0)
+    if comm.inline:
+        duration[spec.op] = duration[spec.op] + to_ns(seconds)
+        return TimedCollective(spec.kind, spec.group, spec.op, 0, np.zeros_like(duration[spec.op]))
     backward = duration[spec.op] / NS
     lag = bucket_lag(backward, seconds, comm.buckets)
     duration[spec.op] = duration[spec.op] + to_ns(bucket_slowdown(backward, seconds, lag, slowdown))
@@ -132,6 +175,12 @@ def fsdp_op(kind: Kind, units: Units, compute: dict[str, np.ndarray], slowdown: 
     """(exposed gather before the op, op seconds, communication seconds beside it) of one forward or
     backward over the units; ``compute`` is each module's seconds per replica (all its layers)."""
     order = [m for m in ("encoder", "llm") for _ in range(units.layers[m])]
+    if units.inline:  # measured: every unit's collectives after one another, inside the op
+        total = sum(np.asarray(compute[m], dtype=float) for m in units.layers) + units.gather["root"] \
+            + sum(units.gather[m] for m in order)
+        if kind is not Kind.F:
+            total = total + units.reduce["root"] + sum(units.reduce[m] for m in order)
+        return 0.0, total, np.zeros(np.shape(total))
     per_unit = {m: np.asarray(compute[m], dtype=float) / units.layers[m] for m in units.layers}
     if kind is Kind.F:
         exposed = units.gather["root"] + units.gather[order[0]]
