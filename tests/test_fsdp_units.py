@@ -9,7 +9,7 @@ from dflop.cost.profiled import UnitFit, fit, fsdp_unit_fits, off_their_neighbou
 from dflop.cost.select import select_cost_model
 from dflop.cost.store import FSDP_UNIT, shipped_records
 from dflop.program.costing import group_state
-from dflop.program.dpcomm import rank_units
+from dflop.program.dpcomm import group_comm, rank_units
 from dflop.program.evaluate import evaluate
 from dflop.program.steps import StepRunner
 from dflop.sim import execute
@@ -71,16 +71,19 @@ def test_a_ranks_units_hold_its_parameters(plan):
     for g in runner.builder.t.groups:
         units = rank_units(plan, TINY, g.module, g.stages)
         params, _ = group_state(plan, TINY, TRAINING, layers, g.module, g.stages, g.tp, CPU.gpus_per_node)
-        assert sum(units) == pytest.approx(params) and min(units) >= 0
-        blocks = sum(layers[g.module][s] for s in g.stages)
-        roots = len(g.stages) + (1 if g.module == "llm" and plan.colocated and 0 in g.stages else 0)
-        extra = TINY.encoder.layers if roots > len(g.stages) else 0
-        assert len(units) == blocks + extra + roots
+        assert sum(p for _, p in units) == pytest.approx(params) and min(p for _, p in units) >= 0
+        kinds = [kind for kind, _ in units]
+        encoder_too = g.module == "llm" and plan.colocated and 0 in g.stages
+        blocks = {g.module: sum(layers[g.module][s] for s in g.stages)} | (
+            {"encoder": TINY.encoder.layers} if encoder_too else {})
+        assert {k: kinds.count(k) for k in ("encoder", "llm") if k in kinds} == blocks
+        assert kinds.count("root") == len(g.stages) + encoder_too
 
 
 @pytest.mark.parametrize("zero,per_microbatch", [
     (2, lambda n: n * (GATHER_MS + REDUCE_MS)),      # every backward: the units' reduce-scatters and re-gathers
-    (3, lambda n: n * (2 * GATHER_MS + REDUCE_MS)),  # a gather in the forward, one more and a reduce-scatter back
+    (3, lambda n: n * (2 * GATHER_MS + REDUCE_MS) - 2 * GATHER_MS),  # a gather each way and a reduce-scatter back,
+    # but the two roots (the encoder's and the LLM's rest) stay gathered from their forward to their backward
 ])
 def test_measured_units_lengthen_every_op_by_what_was_measured(zero, per_microbatch):
     plan = Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated", microbatches=3, zero=zero)
@@ -95,6 +98,18 @@ def test_measured_units_lengthen_every_op_by_what_was_measured(zero, per_microba
         return fast
 
     free = step(UnitsMeasured(*args, cost=(0.0, 0.0)))
-    units = 8 if zero == 2 else 7  # ZeRO-2: each block, the LLM's and the encoder's rest; ZeRO-3: one root
+    units = 8  # each block, the LLM's rest and the encoder's
     assert step(UnitsMeasured(*args)) - free == pytest.approx(plan.microbatches * per_microbatch(units) * 1e6, abs=10)
     assert step(AnalyticalCostModel(*args)) != step(UnitsMeasured(*args))
+
+
+def test_a_tensor_parallel_ranks_blocks_are_priced_as_shards_and_its_roots_whole():
+    plan = Plan(encoder=ModulePlan(tp=2, dp=2), llm=ModulePlan(tp=2, dp=2), placement="colocated", microbatches=2,
+                zero=2)
+    cost = UnitsMeasured(TINY, CPU.hardware, TRAINING)
+    cost.unit = UnitFit((0.0, 1e-5), (0.0, 0.0))  # 1e-5 ms a parameter gathered, nothing else
+    units = rank_units(plan, TINY, "llm", (0,))
+    comm = group_comm(plan, TINY, TRAINING, CPU, sum(p for _, p in units), 2, [0, 2], cost, units)
+    blocks = sum(p for kind, p in units if kind != "root")
+    roots = sum(p for kind, p in units if kind == "root")  # embeddings, head, projector: replicated over TP
+    assert comm.inline and comm.reduce == pytest.approx((blocks / 2 + roots) * 1e-8)

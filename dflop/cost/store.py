@@ -26,8 +26,8 @@ FILENAME = "profile.jsonl"
 KEY_FIELDS = ("device", "module", "model", "dtype", "tp", "phase")
 FSDP_UNIT = "fsdp_unit"
 """The phase of a record of what FSDP2 adds to one unit: ``fwd_ms`` to its forward (the weights'
-all-gather), ``bwd_ms`` to its backward (the gradients' reduce-scatter); shape ``params`` (the
-unit's) and ``shards``."""
+all-gather), ``bwd_ms`` to its backward (the gradients' reduce-scatter), the spreads those of the
+sharded unit's own times; shape ``params`` (the unit's) and ``shards``."""
 
 
 class TPComm(str, Enum):

@@ -101,7 +101,7 @@ class Screener:
         if key not in self._comm:
             self._comm[key] = group_comm(plan, self.p.model, self.p.training, self.p.cluster, params, mp.tp,
                                          dp_group(plan, module, stage), self.p.cost,
-                                         rank_units(plan, self.p.model, module, stages))
+                                         rank_units(plan, self.p.model, module, stages) if plan.zero >= 2 else ())
         return self._comm[key]
 
     def screen(self, plan: Plan, batching: Batching) -> Screen:

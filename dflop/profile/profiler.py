@@ -356,9 +356,11 @@ def fsdp_jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, grid: Grid
     for phase, _, holdout, make_module, make_inputs in jobs(kind, spec, pair, 1, grid, dtype, device):
         if not holdout and phase not in parts:
             parts[phase] = (make_module, make_inputs)
+    params: dict[str, int] = {}
     with torch.device("meta"):  # counted without allocating (a real-size block on a CPU)
-        params = {phase: sum(p.numel() for p in make().parameters())
-                  for phase, _, holdout, make, _ in jobs(kind, spec, pair, 1, grid, dtype, "meta") if not holdout}
+        for phase, _, _, make, _ in jobs(kind, spec, pair, 1, grid, dtype, "meta"):
+            if phase not in params:
+                params[phase] = sum(p.numel() for p in make().parameters())
     for phase, (make_module, make_inputs) in parts.items():
         def unit(make: Callable[[], nn.Module] = make_module) -> nn.ModuleDict:
             pair = nn.ModuleDict({"plain": make(), "sharded": make()})

@@ -184,7 +184,7 @@ class StepBuilder:
                                                   g.stages, g.tp, self.cluster.gpus_per_node)
             comm.append(group_comm(self.plan, self.model, self.training, self.cluster, params, g.tp,
                                    dp_gpus(self.gpus[g.index]), self.cost,
-                                   rank_units(self.plan, self.model, g.module, g.stages)))
+                                   rank_units(self.plan, self.model, g.module, g.stages) if self.plan.zero >= 2 else ()))
         return static, comm
 
     def timing(self, batch: SampleTable, assignment: np.ndarray) -> StepTiming:

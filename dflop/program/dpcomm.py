@@ -75,7 +75,8 @@ class Units:
 @dataclass(frozen=True)
 class GroupComm:
     reduce: float
-    """Seconds of one gradient reduction (the step's, or with ZeRO-2 a microbatch's)."""
+    """Seconds of one gradient reduction (the step's, or with ZeRO-2 a microbatch's; ``inline``, also
+    the re-gathers of the next forward)."""
     gather: float
     """Seconds of the updated weights' all-gather (ZeRO-1/2), carried by the last reduction."""
     buckets: int
@@ -93,23 +94,23 @@ def shard_degree(plan: Plan, per_node: int, dp: int, tp: int) -> int:
     return shards if dp % shards == 0 else dp
 
 
-def rank_units(plan: Plan, model: MLLMSpec, module: str, stages: tuple[int, ...]) -> tuple[float, ...]:
-    """Parameters of every FSDP2 unit of a pipeline rank holding ``stages`` of ``module``, as the
-    backend shards them: each block its own unit, then each stage's rest (embeddings, head,
-    projector), and the colocated encoder's on the LLM's first rank."""
+def rank_units(plan: Plan, model: MLLMSpec, module: str, stages: tuple[int, ...]) -> tuple[tuple[str, float], ...]:
+    """(kind, parameters) of every FSDP2 unit of a pipeline rank holding ``stages`` of ``module``, as
+    the backend shards them: each block its own unit (kind: its module), then each stage's rest
+    (embeddings, head, projector: kind 'root'), and the colocated encoder's on the LLM's first rank."""
     layers = plan.stage_layers(module, model)
     parts = [(module, StageSpec.of(module, layers, s, 1)) for s in stages]
     if module == "llm" and plan.colocated and 0 in stages:
         parts.append(("encoder", StageSpec("encoder", model.encoder.layers, 1, first=True, last=True)))
-    out: list[float] = []
+    out: list[tuple[str, float]] = []
     for m, spec in parts:
         layer = layer_params(model, m)
-        out += [float(layer)] * spec.layers + [float(stage_params(model, spec) - spec.layers * layer)]
+        out += [(m, float(layer))] * spec.layers + [("root", float(stage_params(model, spec) - spec.layers * layer))]
     return tuple(out)
 
 
 def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: ClusterSpec, params: float,
-           tp: int, dp_gpus: list[int], cost: CostModel | None) -> Units:
+           tp: int, dp_gpus: list[int], cost: CostModel | None, units: tuple[tuple[str, float], ...]) -> Units:
     d = len(dp_gpus)
     shards = shard_degree(plan, cluster.gpus_per_node, d, tp)
     measured = cost.fsdp_unit(shards) if cost is not None else None
@@ -120,12 +121,14 @@ def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: Cluster
     layers = {"encoder": model.encoder.layers, "llm": model.llm.layers}
     sizes = {m: float(layer_params(model, m)) for m in layers}
     sizes["root"] = params - sum(layers[m] * sizes[m] for m in layers)
+    roots = [p for kind, p in units if kind == "root"] or [sizes["root"]]
     gather, reduce = {}, {}
     for kind, p in sizes.items():
         across_s = float(ring_allreduce_time(p / tp * gb / shards, len(across), *across_link))
-        if measured is not None:
-            gather[kind], reduce_s = measured(p / tp)
-            reduce[kind] = reduce_s + across_s
+        if measured is not None:  # the roots are units of their own (the encoder's and the LLM's),
+            # replicated over tensor parallelism
+            each = [measured(q) for q in roots] if kind == "root" else [measured(p / tp)]
+            gather[kind], reduce[kind] = sum(g for g, _ in each), sum(r for _, r in each) + across_s
         else:
             gather[kind] = float(allgather_time(p / tp * training.weight_bytes, shards, *shard_link))
             reduce[kind] = float(reduce_scatter_time(p / tp * gb, shards, *shard_link)) + across_s
@@ -134,18 +137,19 @@ def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: Cluster
 
 def group_comm(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: ClusterSpec, params: float,
                tp: int, dp_gpus: list[int], cost: CostModel | None = None,
-               units: tuple[float, ...] = ()) -> GroupComm | None:
+               units: tuple[tuple[str, float], ...] = ()) -> GroupComm | None:
     """The constants of one pipeline rank's data-parallel communication (None without replicas);
-    ``units``: its FSDP2 units' parameters (``rank_units``), for ZeRO-2 priced by ``cost``'s
-    measurements of them where it has some."""
+    ``units``: its FSDP2 units (``rank_units``), for ZeRO-2/3 priced by ``cost``'s measurements of
+    them where it has some."""
     d = len(dp_gpus)
     if d < 2:
         return None
     if plan.zero == 3:
-        return GroupComm(0.0, 0.0, 1, _units(plan, model, training, cluster, params, tp, dp_gpus, cost))
+        return GroupComm(0.0, 0.0, 1, _units(plan, model, training, cluster, params, tp, dp_gpus, cost, units))
     measured = cost.fsdp_unit(d) if cost is not None and plan.zero == 2 and units else None
     if measured is not None:
-        return GroupComm(float(sum(sum(measured(p / tp)) for p in units)), 0.0, 1, None, inline=True)
+        return GroupComm(float(sum(sum(measured(p if kind == "root" else p / tp)) for kind, p in units)), 0.0, 1,
+                         None, inline=True)
     link = collective_link(cluster, dp_gpus)
     grads = params / tp * grad_bytes(training, plan.fp32_grads)
     if plan.zero == 0:
@@ -175,10 +179,12 @@ def fsdp_op(kind: Kind, units: Units, compute: dict[str, np.ndarray], slowdown: 
     """(exposed gather before the op, op seconds, communication seconds beside it) of one forward or
     backward over the units; ``compute`` is each module's seconds per replica (all its layers)."""
     order = [m for m in ("encoder", "llm") for _ in range(units.layers[m])]
-    if units.inline:  # measured: every unit's collectives after one another, inside the op
-        total = sum(np.asarray(compute[m], dtype=float) for m in units.layers) + units.gather["root"] \
-            + sum(units.gather[m] for m in order)
-        if kind is not Kind.F:
+    if units.inline:  # measured: every unit's collectives after one another, inside the op; the roots
+        # stay gathered from forward to backward (FSDP2 never reshards a root after its forward)
+        total = sum(np.asarray(compute[m], dtype=float) for m in units.layers) + sum(units.gather[m] for m in order)
+        if kind is Kind.F:
+            total = total + units.gather["root"]
+        else:
             total = total + units.reduce["root"] + sum(units.reduce[m] for m in order)
         return 0.0, total, np.zeros(np.shape(total))
     per_unit = {m: np.asarray(compute[m], dtype=float) / units.layers[m] for m in units.layers}
