@@ -109,7 +109,7 @@ def test_a_tensor_parallel_ranks_blocks_are_priced_as_shards_and_its_roots_whole
     cost = UnitsMeasured(TINY, CPU.hardware, TRAINING)
     cost.unit = UnitFit((0.0, 1e-5), (0.0, 0.0))  # 1e-5 ms a parameter gathered, nothing else
     units = rank_units(plan, TINY, "llm", (0,))
-    comm = group_comm(plan, TINY, TRAINING, CPU, sum(p for _, p in units), 2, [0, 2], cost, units)
+    comm = group_comm(plan, TINY, TRAINING, CPU, sum(p for _, p in units), 2, [0, 2], "llm", (0,), cost)
     blocks = sum(p for kind, p in units if kind != "root")
     roots = sum(p for kind, p in units if kind == "root")  # embeddings, head, projector: replicated over TP
     assert comm.inline and comm.reduce == pytest.approx((blocks / 2 + roots) * 1e-8)

@@ -22,7 +22,7 @@ from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.plan.evaluate import Evaluator, inflight_by_stage
 from dflop.program.actions import Kind
 from dflop.program.costing import group_state
-from dflop.program.dpcomm import GroupComm, fsdp_op, group_comm, rank_units
+from dflop.program.dpcomm import GroupComm, fsdp_op, group_comm
 from dflop.program.schedules import canonical, splits_backward
 from dflop.program.template import plan_groups
 from dflop.schedule.batching import Batching
@@ -100,8 +100,7 @@ class Screener:
                plan.encoder.gpus)
         if key not in self._comm:
             self._comm[key] = group_comm(plan, self.p.model, self.p.training, self.p.cluster, params, mp.tp,
-                                         dp_group(plan, module, stage), self.p.cost,
-                                         rank_units(plan, self.p.model, module, stages) if plan.zero >= 2 else ())
+                                         dp_group(plan, module, stage), module, stages, self.p.cost)
         return self._comm[key]
 
     def screen(self, plan: Plan, batching: Batching) -> Screen:

@@ -219,11 +219,7 @@ def measure(module: nn.Module, make_inputs: Callable[[], tuple], device: str, wa
     _loss(out).backward()
     once, out = timer(lambda: module(*inputs))
     _loss(out).backward()
-    inner = max(1, math.ceil(MIN_SAMPLE_MS[device] / max(once, 1e-3)))
-    if group is not None:
-        agreed = torch.tensor([inner])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        inner = int(agreed.item())
+    inner = _inner(once, device, group)
     fwd, bwd = [], []
     for i in range(warmup + repeats):
         batches = [make_inputs() for _ in range(inner)]
@@ -237,6 +233,17 @@ def measure(module: nn.Module, make_inputs: Callable[[], tuple], device: str, wa
     return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd),
             "fwd_spread": _spread(fwd), "bwd_spread": _spread(bwd), "memory_bytes": memory,
             "inner": inner}
+
+
+def _inner(once_ms: float, device: str, group: Any) -> int:
+    """Runs per timed sample for an op of ``once_ms``: enough for MIN_SAMPLE_MS; the ranks of a
+    ``group`` agree on the largest, as they must run the same collectives."""
+    inner = max(1, math.ceil(MIN_SAMPLE_MS[device] / max(once_ms, 1e-3)))
+    if group is None:
+        return inner
+    agreed = torch.tensor([inner])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    return int(agreed.item())
 
 
 def measure_fsdp_unit(pair: nn.ModuleDict, make_inputs: Callable[[], tuple], device: str, warmup: int,
@@ -263,10 +270,7 @@ def measure_fsdp_unit(pair: nn.ModuleDict, make_inputs: Callable[[], tuple], dev
 
     for module in pair.values():  # the root's lazy initialisation, then a warm one
         run(module, 1)
-    once = sum(run(pair["plain"], 1)) + sum(run(pair["sharded"], 1))
-    agreed = torch.tensor([max(1, math.ceil(MIN_SAMPLE_MS[device] / max(once, 1e-3)))])
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    inner = int(agreed.item())
+    inner = _inner(sum(run(pair["plain"], 1)) + sum(run(pair["sharded"], 1)), device, group)
     times: dict[str, list[tuple[float, float]]] = {"plain": [], "sharded": []}
     for i in range(warmup + UNIT_REPEATS * repeats):  # a few ms each: cheap, and noisier than compute
         for name in ("plain", "sharded") if i % 2 else ("sharded", "plain"):
@@ -276,7 +280,8 @@ def measure_fsdp_unit(pair: nn.ModuleDict, make_inputs: Callable[[], tuple], dev
     median = {name: [statistics.median(t[k] for t in rows) for k in (0, 1)] for name, rows in times.items()}
     return {"fwd_ms": max(median["sharded"][0] - median["plain"][0], 0.0),
             "bwd_ms": max(median["sharded"][1] - median["plain"][1], 0.0),
-            "fwd_spread": _spread([t[0] for t in times["sharded"]]), "bwd_spread": _spread([t[1] for t in times["sharded"]]),
+            "fwd_spread": _spread([t[0] for t in times["sharded"]]),
+            "bwd_spread": _spread([t[1] for t in times["sharded"]]),
             "memory_bytes": 0.0, "inner": inner}
 
 

@@ -22,8 +22,7 @@ from dflop.cost.system import System
 from dflop.errors import DflopError
 from dflop.program.actions import Kind
 from dflop.program.collectives import group_collectives
-from dflop.program.dpcomm import (NS, TimedCollective, dp_gpus, fsdp_op, group_comm, rank_units, reduction,
-                                   shard_degree, to_ns)
+from dflop.program.dpcomm import NS, TimedCollective, dp_gpus, fsdp_op, group_comm, reduction, shard_degree, to_ns
 from dflop.program.routing import encoder_replicas
 from dflop.program.template import Template
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
@@ -183,8 +182,7 @@ class StepBuilder:
             params, static[g.index] = group_state(self.plan, self.model, self.training, self.layers, g.module,
                                                   g.stages, g.tp, self.cluster.gpus_per_node)
             comm.append(group_comm(self.plan, self.model, self.training, self.cluster, params, g.tp,
-                                   dp_gpus(self.gpus[g.index]), self.cost,
-                                   rank_units(self.plan, self.model, g.module, g.stages) if self.plan.zero >= 2 else ()))
+                                   dp_gpus(self.gpus[g.index]), g.module, g.stages, self.cost))
         return static, comm
 
     def timing(self, batch: SampleTable, assignment: np.ndarray) -> StepTiming:

@@ -30,6 +30,7 @@ the next forward (FSDP2 reshards after each backward), as the backend runs it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -109,11 +110,18 @@ def rank_units(plan: Plan, model: MLLMSpec, module: str, stages: tuple[int, ...]
     return tuple(out)
 
 
+def _priced(measured: Callable[[float], tuple[float, float]], unit: tuple[str, float], tp: int) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) seconds of a ``rank_units`` unit on a TP rank, as ``measured`` at
+    TP 1: a block is split over TP, a root (embeddings, head, projector) replicated."""
+    kind, params = unit
+    return measured(params if kind == "root" else params / tp)
+
+
 def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: ClusterSpec, params: float,
-           tp: int, dp_gpus: list[int], cost: CostModel | None, units: tuple[tuple[str, float], ...]) -> Units:
+           tp: int, dp_gpus: list[int], measured: Callable[[float], tuple[float, float]] | None,
+           units: tuple[tuple[str, float], ...]) -> Units:
     d = len(dp_gpus)
     shards = shard_degree(plan, cluster.gpus_per_node, d, tp)
-    measured = cost.fsdp_unit(shards) if cost is not None else None
     shard_link = collective_link(cluster, dp_gpus[:shards])
     across = dp_gpus[::shards]
     across_link = collective_link(cluster, across)
@@ -121,13 +129,12 @@ def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: Cluster
     layers = {"encoder": model.encoder.layers, "llm": model.llm.layers}
     sizes = {m: float(layer_params(model, m)) for m in layers}
     sizes["root"] = params - sum(layers[m] * sizes[m] for m in layers)
-    roots = [p for kind, p in units if kind == "root"] or [sizes["root"]]
     gather, reduce = {}, {}
     for kind, p in sizes.items():
         across_s = float(ring_allreduce_time(p / tp * gb / shards, len(across), *across_link))
-        if measured is not None:  # the roots are units of their own (the encoder's and the LLM's),
-            # replicated over tensor parallelism
-            each = [measured(q) for q in roots] if kind == "root" else [measured(p / tp)]
+        if measured is not None:  # the roots are units of their own (the encoder's and the LLM's)
+            each = [_priced(measured, u, tp) for u in units if u[0] == "root"] if kind == "root" \
+                else [_priced(measured, (kind, p), tp)]
             gather[kind], reduce[kind] = sum(g for g, _ in each), sum(r for _, r in each) + across_s
         else:
             gather[kind] = float(allgather_time(p / tp * training.weight_bytes, shards, *shard_link))
@@ -136,20 +143,22 @@ def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: Cluster
 
 
 def group_comm(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: ClusterSpec, params: float,
-               tp: int, dp_gpus: list[int], cost: CostModel | None = None,
-               units: tuple[tuple[str, float], ...] = ()) -> GroupComm | None:
-    """The constants of one pipeline rank's data-parallel communication (None without replicas);
-    ``units``: its FSDP2 units (``rank_units``), for ZeRO-2/3 priced by ``cost``'s measurements of
-    them where it has some."""
+               tp: int, dp_gpus: list[int], module: str, stages: tuple[int, ...],
+               cost: CostModel | None = None) -> GroupComm | None:
+    """The constants of the data-parallel communication of the pipeline rank holding ``stages`` of
+    ``module`` (None without replicas); ZeRO-2/3 priced from ``cost``'s measurements of FSDP2's units
+    (``rank_units``) where it has some for the shard count."""
     d = len(dp_gpus)
     if d < 2:
         return None
+    measured = None
+    if plan.zero >= 2 and cost is not None:
+        measured = cost.fsdp_unit(shard_degree(plan, cluster.gpus_per_node, d, tp) if plan.zero == 3 else d)
+    units = rank_units(plan, model, module, stages) if measured is not None else ()
     if plan.zero == 3:
-        return GroupComm(0.0, 0.0, 1, _units(plan, model, training, cluster, params, tp, dp_gpus, cost, units))
-    measured = cost.fsdp_unit(d) if cost is not None and plan.zero == 2 and units else None
+        return GroupComm(0.0, 0.0, 1, _units(plan, model, training, cluster, params, tp, dp_gpus, measured, units))
     if measured is not None:
-        return GroupComm(float(sum(sum(measured(p if kind == "root" else p / tp)) for kind, p in units)), 0.0, 1,
-                         None, inline=True)
+        return GroupComm(float(sum(sum(_priced(measured, u, tp)) for u in units)), 0.0, 1, None, inline=True)
     link = collective_link(cluster, dp_gpus)
     grads = params / tp * grad_bytes(training, plan.fp32_grads)
     if plan.zero == 0:
