@@ -16,11 +16,18 @@ run: $(STAMP)
 	$(VENV)/bin/dflop run $(ARGS)
 
 # Two workers, then alone what compares measured time with a prediction: beside another
-# worker its ranks would outnumber the cores. Exit status 5 is "no test selected" (ARGS).
+# worker its ranks would outnumber the cores; then what depends on the CPU's floating-point
+# kernels, once under each instruction set the CPU has (tests/cpu_capabilities.py), so a
+# rounding difference shows here before it shows on another machine. Exit status 5 is
+# "no test selected" (ARGS).
 PASSED_OR_NONE = rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 2 -m "not alone" $(ARGS); $(PASSED_OR_NONE); \
-	$(VENV)/bin/python -m pytest -q -m alone $(ARGS); $(PASSED_OR_NONE)
+	$(VENV)/bin/python -m pytest -q -n 2 -m "not alone and not numerics" $(ARGS); $(PASSED_OR_NONE); \
+	$(VENV)/bin/python -m pytest -q -m alone $(ARGS); $(PASSED_OR_NONE); \
+	for cap in $$($(VENV)/bin/python tests/cpu_capabilities.py); do \
+	  echo "numerics under ATEN_CPU_CAPABILITY=$$cap"; \
+	  ATEN_CPU_CAPABILITY=$$cap $(VENV)/bin/python -m pytest -q -m numerics $(ARGS); $(PASSED_OR_NONE); \
+	done
 
 # Every benchmark, then benchmarks/REPORT.md and benchmarks/results/*.json (ARGS=--quick: a dry run).
 # One thread per process, as the torch backend's CPU ranks and the shipped CPU profile run.

@@ -9,11 +9,11 @@ sharing a core). Each plan x schedule trains the same global batches, split by d
 scheduler; the simulator predicts the very same steps with the profiled CPU cost model
 (the shipped profile, measured with one thread per process as the backend runs, TP in
 real gloo groups; or the stores in --profiles), and again with a profile measured the
-same way at the start of the run (the README's two `dflop profile model` commands, into
+same way at the start of the run (the two `dflop profile model` commands of
+docs/guide/profiling.md, into
 --fresh or a temporary store): a profile is this machine at one time, and the difference
 between the two is how far the machine moved since. The plans run in turn, one launch
-each per round, so that a machine whose speed drifts (this VM's does, by up to a third
-within minutes) slows every plan alike. It prints, per plan, the predicted and the
+each per round, so that a machine whose speed drifts slows every plan alike. It prints, per plan, the predicted and the
 measured time of the step graph (median over every round's steps after its warm-up
 step), the error, the spread of the rounds' medians (max - min over the median), the
 optimizer step's measured time apart (it is not in the step graph), then the median
@@ -98,7 +98,7 @@ def main() -> None:
     if not args.no_fresh:
         with tempfile.TemporaryDirectory() as tmp:
             folder, start = args.fresh or Path(tmp), time.monotonic()
-            for m in (model.llm, model.encoder):  # as the README's two commands
+            for m in (model.llm, model.encoder):  # as docs/guide/profiling.md's two commands
                 profile_model(m.name, folder, tps=(1, 2), processes=2, fsdp=True)
             fresh, fresh_note = select_cost_model(model, system.hardware, system.training, [folder])
         print(f"profiled first in {time.monotonic() - start:.0f} s; {fresh_note}")

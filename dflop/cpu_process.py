@@ -7,10 +7,9 @@ that a profile prices the steps the way they run:
 - freed memory kept in the process. glibc hands a freed block of 128 KiB or
   more back to the system, and trims the top of its heap; a training step frees
   its activations and allocates them again every step, so every step
-  page-faults them in anew, most of all a step larger than any before it. In a
-  two-process TP 2 harness, a 12671-token step of the tiny LLM took 2.7-2.9 s
-  (3.4-3.5 s the first time) as glibc does by default, and 2.1-2.3 s (2.7-2.8 s)
-  with freed memory kept. This is what a GPU's caching allocator does too.
+  page-faults them in anew, most of all a step larger than any before it, and
+  a profile measured without those faults would price every step short.
+  Keeping freed memory is what a GPU's caching allocator does too.
 
 The settings hold for the rest of the process: glibc has no way to read the
 previous ones back.

@@ -32,7 +32,7 @@ from dflop.schedule.background import AsyncScheduler
 from dflop.schedule.batching import Batching, assign, synchronised
 from dflop.schedule.step import StepSchedule, plan_costs, schedule_batch
 from dflop.specs.hardware import GIB
-from dflop.specs.loading import to_mapping
+from dflop.specs.loading import at, to_mapping
 from dflop.specs.plan import Plan
 from dflop.specs.plan_file import PlanFile, save_plan
 from dflop.specs.run import RunConfig
@@ -316,5 +316,10 @@ def pick_plan(s: Setup, schedule: str | None, log: Log = _stderr) -> Plan:
         plan = optimize(s, baselines=False).best.plan
     if schedule is not None:  # with the stages per rank it needs (2 for a V), else the plan's
         name = canonical(schedule)
-        plan = replace(plan, schedule=name, virtual_stages=stages_per_rank(name, plan.virtual_stages))
+        where = f"--schedule {schedule}:"  # the plan was checked; what is wrong now is the override
+        try:
+            plan = replace(plan, schedule=name, virtual_stages=stages_per_rank(name, plan.virtual_stages))
+        except DflopError as exc:
+            raise type(exc)(f"{at(where)}: {exc}") from None
+        check_plan(plan, where, s.config, s.system.cluster)
     return plan

@@ -403,6 +403,15 @@ STEP = {"solver": "lpt", "batch": {"id": ["a", "b", "c", "d"], "modality": ["tex
 
 
 def resume_folder(folder: Path, plan=TINY["plan"], steps=(STEP,)) -> Path:
+    """A folder as a run of TINY leaves it (its record, run.json), with ``plan`` as its plan file and
+    ``steps`` as its saved schedules."""
+    from dflop import job
+    from dflop.torch_run import RUN_FILE, _plain, _record
+
+    config = folder / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    s = job.setup(config, backend="torch", log=lambda _: None)
+    (folder / RUN_FILE).write_text(json.dumps({**_record(s, TINY["steps"]), "plans": {"dflop": _plain(s.config.plan)}}))
     (folder / "dflop.plan.yaml").write_text(yaml.safe_dump(plan))
     (folder / "schedules" / "dflop").mkdir(parents=True)
     for i, step in enumerate(steps):

@@ -13,6 +13,7 @@ from dflop.specs import MLLMSpec, presets
 TINY = presets.model("tiny-vit", "tiny-llm")
 
 
+@pytest.mark.numerics
 @settings(max_examples=40)
 @given(lengths=st.lists(st.integers(1, 24), min_size=1, max_size=5), causal=st.booleans(),
        groups=st.sampled_from([1, 2, 4]), seed=st.integers(0, 1000))
@@ -26,6 +27,7 @@ def test_varlen_attention_matches_the_naive_reference(lengths, causal, groups, s
     assert torch.allclose(fast, reference_attention(q, k, v, cu, causal=causal), atol=1e-10)
 
 
+@pytest.mark.numerics
 def test_the_flash_attn_path_keeps_the_varlen_kernel_s_contract(monkeypatch):
     """flash-attn runs only on a GPU, so its path is held here to what its varlen kernel takes
     (flash_attn 2.x ``flash_attn_varlen_func``): (tokens, heads, dim) tensors, query heads a multiple
@@ -65,6 +67,7 @@ def test_the_flash_attn_path_keeps_the_varlen_kernel_s_contract(monkeypatch):
     assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(fallback, flash))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_packed_gradients_equal_the_sum_of_per_sample_gradients(checkpointing):
     torch.manual_seed(0)

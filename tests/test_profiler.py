@@ -15,7 +15,7 @@ from cli_helpers import assert_one_line_error, dflop, dflop_json
 from dflop.cost import StageSpec, WorkShape
 from dflop.cost.profiled import ProfiledCostModel, _shape_x, holdout_error, off_their_neighbours
 from dflop.cost.select import select_cost_model
-from dflop.cost.store import ProfileStore, record_key, shipped_records
+from dflop.cost.store import ProfileStore, architecture, record_key, shipped_records
 from dflop.specs import TrainingSpec, presets
 
 TINY = presets.model("tiny-vit", "tiny-llm")
@@ -32,6 +32,7 @@ def test_quick_profile_and_rerun(tmp_path, monkeypatch):
     assert all(r["fwd_ms"] > 0 and r["memory_bytes"] >= 0 and r["device"] == "cpu" for r in records)
     assert {r["threads"] for r in records} == {1}
     assert {r["freed_memory"] for r in records} == {"kept"}  # as the backend's ranks run
+    assert all(r["arch"] == architecture("llm", presets.llm("tiny-llm")) for r in records)  # what was measured
     again = dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--out", tmp_path)
     assert again["measured"] == 0 and again["reused"] == first["records"]
 

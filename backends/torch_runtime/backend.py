@@ -8,15 +8,21 @@ runs in place. Each rank executes its worker's nodes of every step graph
 recorded with the same recorder, names and arguments as the simulator's, next
 to the simulator's prediction for the very same steps. A rank that raises or
 dies stops every rank (the elastic agent tears the group down) and the error
-names the rank, the step and the node it was at.
+names the rank, the step and the node it was at. A signal to the launcher
+(Ctrl-C, SIGTERM) stops every rank the same way and ends as a
+``KeyboardInterrupt`` naming the signal, with the launcher's signal handlers
+as they were before.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import tempfile
+import threading
 import uuid
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +34,14 @@ from dflop.backends.base import BackendResult, Observer, ScheduledBatch, StepTim
 from dflop.backends.sim import SimBackend
 from dflop.errors import DflopError
 from dflop.program.steps import StepRunner
-from dflop.specs.execution import DType
+from dflop.specs.execution import Device, DType
+from dflop.specs.hardware import ClusterSpec
 from dflop.specs.plan import Plan
 from dflop.trace.chrome import COMPUTE, OPTIMIZER, TraceBuilder
 from dflop.trace.metrics import metrics
 from dflop.trace.record import record_step, worker_records
 
+from dflop.backends.torch_runtime import checkpoint
 from dflop.backends.torch_runtime.progress import read_progress
 from dflop.backends.torch_runtime.worker import Payload, RankResult, TorchOptions, rank_entry, run_rank
 
@@ -47,8 +55,71 @@ class RankFailed(DflopError):
         self.details = details
 
 
+PR_SET_PDEATHSIG = 1
+"""Linux prctl option: the signal a process gets when its parent ends."""
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def check_launch(cluster: ClusterSpec, gpus: int, placed: Sequence[tuple[int, int]]) -> None:
+    """Refuse a torchrun launch whose nodes are not the ones the plan was placed on.
+
+    ``placed``: per rank, the (node, local rank) torchrun gave it (``GROUP_RANK``, ``LOCAL_RANK``).
+    The planner puts GPU ``g`` (rank ``g``) on node ``cluster.node_of(g)``, ``gpus_per_node`` to a
+    node, and prices every link (and HSDP's shard groups) by that; torchrun numbers ranks node after
+    node, each node's ``--nproc-per-node`` in turn. A launch of other nodes would still run, on links
+    the plan did not price, so it stops here, on every rank alike."""
+    per_node = cluster.gpus_per_node
+    if len(placed) == gpus and all(p == divmod(r, per_node) for r, p in enumerate(placed)):
+        return
+    nodes = -(-gpus // per_node)
+    last = gpus - (nodes - 1) * per_node
+    launch = f"--nnodes {nodes} --nproc-per-node {min(gpus, per_node)}" + (
+        f" ({last} on the last node)" if last != min(gpus, per_node) else "")
+    counts = Counter(node for node, _ in placed)
+    got = ", ".join(f"{counts[k]} on node {k}" for k in sorted(counts))
+    wrong = next((r for r, p in enumerate(placed) if r < gpus and p[0] != r // per_node), None)
+    where = ("" if wrong is None else
+             f", rank {wrong} on node {placed[wrong][0]} where the plan has it on node {wrong // per_node}")
+    raise DflopError(f"torchrun started {len(placed)} processes ({got}){where}; the plan runs {gpus} on its "
+                     f"cluster's nodes of {per_node} GPUs ({cluster.nodes} nodes): launch it with torchrun {launch}")
+
+
+def torchrun_placement(device: Device, timeout_s: float) -> list[tuple[int, int]]:
+    """Every rank's (``GROUP_RANK``, ``LOCAL_RANK``), gathered so that every rank judges the same
+    launch (collective; joins the process group the ranks would join anyway)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    cpu = device is Device.CPU
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if cpu else "nccl", timeout=datetime.timedelta(seconds=timeout_s))
+    mine = torch.tensor([int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])],
+                        device="cpu" if cpu else f"cuda:{int(os.environ['LOCAL_RANK'])}")
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [(int(t[0]), int(t[1])) for t in every]
+
+
+def die_with_agent() -> None:
+    """Under torchrun, end this rank when its agent ends (Linux; nothing elsewhere).
+
+    torchrun starts each rank in a session of its own, so a killed agent (a lost node, an
+    OOM-killer) leaves its ranks running unsupervised: they would train on, and the agents of the
+    other nodes would wait for the lost one at their exit. With the parent-death signal the
+    ranks go with their agent, as with their node, and the ranks on other nodes see the loss."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # no C library with prctl: the ranks outlive their agent
+        pass
 
 
 @dataclass
@@ -63,8 +134,16 @@ class TorchBackend:
     def run(self, runner: StepRunner, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
             meta: dict[str, Any] | None = None) -> BackendResult:
         refuse_unsupported(runner.plan, self.options)
+        if under_torchrun():
+            check_launch(runner.system.cluster, runner.plan.gpus,
+                         torchrun_placement(self.options.device, self.options.timeout_s))
+        opts = self.options
+        if opts.resume and opts.checkpoint_dir:
+            found = checkpoint.resume_point(Path(opts.checkpoint_dir), len(steps),
+                                            checkpoint.identity(opts.seed, runner.plan))
+            opts = _with(opts, resume_from=str(found) if found is not None else "")
         with tempfile.TemporaryDirectory(prefix="dflop-progress-") as progress:
-            opts = self.options if self.options.progress_dir else _with(self.options, progress_dir=progress)
+            opts = opts if opts.progress_dir else _with(opts, progress_dir=progress)
             payload = Payload(runner.plan, runner.system.model, [s.batch for s in steps],
                               [np.asarray(s.assignment) for s in steps], opts, runner.system.cluster.gpus_per_node)
             results = self._launch(payload, Path(opts.progress_dir))
@@ -85,6 +164,7 @@ class TorchBackend:
         return self._spawn(payload, progress)
 
     def _spawn(self, payload: Payload, progress: Path) -> dict[int, RankResult]:
+        from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -92,11 +172,13 @@ class TorchBackend:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"dflop-{uuid.uuid4().hex[:8]}",
                               rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                               monitor_interval=0.1, start_method="spawn")
-        with _quiet_launcher():
+        with _quiet_launcher(), _own_signal_handlers():
             try:
                 return elastic_launch(config, rank_entry)(payload, self.keep_parameters)
             except ChildFailedError as exc:
                 raise RankFailed(*_failure_message(exc, progress)) from None
+            except SignalException as exc:  # the agent has stopped every rank already
+                raise KeyboardInterrupt(signal.Signals(exc.sigval).name) from None
 
     # ---- reporting --------------------------------------------------------------------------------
 
@@ -143,6 +225,38 @@ class TorchBackend:
         return BackendResult(doc, metrics(doc), per_step, extra)
 
 
+def device_problem(device: Device, processes: int | None = None) -> str | None:
+    """Why this machine cannot run the ranks on ``device`` (None when it can): CUDA asked of a torch
+    without CUDA or a machine without a GPU, or (launched here, one process per GPU) fewer GPUs
+    than ``processes``. Said before any process starts, which would fail only inside."""
+    if device is not Device.CUDA:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "this torch is built without CUDA" if torch.version.cuda is None else "torch finds no CUDA GPU here"
+        return f"cuda: {build}; use device: cpu"
+    if processes is not None and not under_torchrun() and torch.cuda.device_count() < processes:
+        return (f"cuda: the plan runs {processes} processes, one per GPU, but this machine has "
+                f"{torch.cuda.device_count()}")
+    return None
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def crowding(processes: int, device: Device) -> str | None:
+    """A warning when CPU ranks launched here outnumber the cores: each runs one thread, so more of
+    them than cores take turns, and measured steps say more about the machine than the plan."""
+    cores = cpu_cores()
+    if device is Device.CPU and not under_torchrun() and processes > cores:
+        return (f"the plan runs {processes} processes on {cores} CPU core{'s' if cores > 1 else ''}: "
+                "they take turns on the cores, so measured step times exceed what the plan would take")
+    return None
+
+
 def refuse_unsupported(plan: Plan, options: TorchOptions) -> None:
     """What the torch backend cannot run as the plan says, refused before any process starts.
 
@@ -154,13 +268,18 @@ def refuse_unsupported(plan: Plan, options: TorchOptions) -> None:
         raise DflopError(f"plan field fp32_grads: the torch backend keeps gradients in the parameters' dtype "
                          f"({options.dtype}), not in fp32 buffers; run with execution dtype float32 or float64, or "
                          "use a plan with fp32_grads false")
+    if problem := device_problem(options.device, plan.gpus):
+        raise DflopError(f"execution.device: {problem}")
 
 
 @contextmanager
 def _quiet_launcher() -> Iterator[None]:
-    """The elastic agent logs every child's traceback; dflop reports a failure in one line instead
-    (and the traceback under --debug)."""
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    """The elastic agent logs every child's traceback (and a signal it stops the ranks on); dflop
+    reports a failure in one line instead (and the traceback under --debug). Each of its modules'
+    loggers has a level of its own, so each is raised."""
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
+    loggers = [logging.getLogger(name) for name in sorted(set(logging.Logger.manager.loggerDict) | set(prefixes))
+               if name.startswith(prefixes)]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
@@ -169,6 +288,23 @@ def _quiet_launcher() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+@contextmanager
+def _own_signal_handlers() -> Iterator[None]:
+    """The elastic launcher installs handlers for these signals (raising ``SignalException``) and
+    leaves them; put back what was there, so a signal after the launch is the caller's again."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    names = [n for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, n)]
+    saved = {n: signal.getsignal(getattr(signal, n)) for n in names}
+    try:
+        yield
+    finally:
+        for n, handler in saved.items():
+            if handler is not None:  # None: set outside Python, nothing to put back
+                signal.signal(getattr(signal, n), handler)
 
 
 def _with(options: TorchOptions, **changes: Any) -> TorchOptions:
@@ -185,6 +321,8 @@ def _failure_message(exc: Any, progress: Path) -> tuple[str, str]:
         details = str(message.get("extraInfo", {}).get("py_callstack", ""))
         message = message.get("message", "")
     message = str(message or "").strip()
+    if message.startswith("DflopError: "):  # bad input a rank found (a checkpoint): every rank found it
+        return message.removeprefix("DflopError: ").splitlines()[0], details
     if " failed at step " in message:  # an ActionFailed: it names rank, step and node itself
         return message.split(": ", 1)[1] if message.startswith("ActionFailed") else message, details
     where = read_progress(progress, rank)

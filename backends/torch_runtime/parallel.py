@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dflop.errors import DflopError
+from dflop.specs.execution import ExecutionSpec
 from dflop.models.parallel import shard_unit, split_blocks
 from dflop.program.stepgraph import Worker
 from dflop.specs.plan import Module, Plan, place
@@ -165,13 +166,18 @@ def all_reduce_grads(params: list[nn.Parameter], group, bucket_bytes: int = BUCK
             p.grad = None
 
 
-def make_optimizer(params: list[nn.Parameter], zero: int, dp_group, lr: float,  # noqa: ANN001
-                   weight_decay: float) -> torch.optim.Optimizer:
+def adamw_options(spec: ExecutionSpec) -> dict[str, float]:
+    """AdamW's settings from the run's execution spec: every rank and the sequential reference use these."""
+    return {"lr": spec.lr, "weight_decay": spec.weight_decay, "eps": spec.adam_eps}
+
+
+def make_optimizer(params: list[nn.Parameter], zero: int, dp_group, spec: ExecutionSpec,  # noqa: ANN001
+                   ) -> torch.optim.Optimizer:
     """AdamW; with ZeRO-1 its state sharded over data parallelism (torch's ZeroRedundancyOptimizer);
     with ZeRO-2/3 FSDP2 has sharded the parameters, and with them the state."""
     if zero == 1 and dist.get_world_size(dp_group) > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_group,
-                                       lr=lr, weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+                                       **adamw_options(spec))
+    return torch.optim.AdamW(params, **adamw_options(spec))

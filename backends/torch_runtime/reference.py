@@ -8,6 +8,8 @@ sum over every target token divided by their number), same AdamW.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -17,18 +19,29 @@ from dflop.specs.plan import Module
 from dflop.workload.sample import SampleTable
 
 from dflop.backends.torch_runtime.model import build_stage, pack_sequence, sample_inputs
+from dflop.backends.torch_runtime.parallel import adamw_options
 from dflop.backends.torch_runtime.shapes import target_tokens
 from dflop.backends.torch_runtime.worker import TorchOptions
 
 
-def reference_training(model: MLLMSpec, batches: list[SampleTable], options: TorchOptions) -> tuple[dict, list[float]]:
-    """(parameters by whole-model name, loss per step) after training on ``batches`` in one process."""
+@dataclass(frozen=True)
+class Reference:
+    parameters: dict[str, torch.Tensor]
+    """By whole-model name, after the last step."""
+    losses: list[float]
+    """Per step."""
+    largest_gradient: list[float]
+    """Per step, the largest gradient element in magnitude: the scale rounding errors are measured against."""
+
+
+def reference_training(model: MLLMSpec, batches: list[SampleTable], options: TorchOptions) -> Reference:
+    """The sequential run of ``batches`` in one process."""
     dtype = getattr(torch, options.dtype.value)
     encoder = build_stage(model, Module.ENCODER, 0, (model.encoder.layers,), options.seed).to(dtype)
     llm = build_stage(model, Module.LLM, 0, (model.llm.layers,), options.seed).to(dtype)
     params = list(encoder.parameters()) + list(llm.parameters())
-    optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
-    losses = []
+    optimizer = torch.optim.AdamW(params, **adamw_options(options))
+    losses, largest = [], []
     for batch in batches:
         rows = np.arange(len(batch))
         pixels, text = [], []
@@ -45,12 +58,13 @@ def reference_training(model: MLLMSpec, batches: list[SampleTable], options: Tor
         positions, cu = pack(seq.lengths)
         loss = llm(image, seq, positions, cu, text=torch.cat(text), loss_scale=1.0 / max(target_tokens(batch), 1))
         loss.backward()
+        largest.append(max(float(p.grad.abs().max()) for p in params if p.grad is not None))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     named = {f"encoder.{n}": p.detach().clone() for n, p in encoder.named_parameters()}
     named.update({f"llm.{n}": p.detach().clone() for n, p in llm.named_parameters()})
-    return named, losses
+    return Reference(named, losses, largest)
 
 
 def whole_model_name(name: str, tied: bool) -> str:

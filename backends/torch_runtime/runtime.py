@@ -41,6 +41,10 @@ from dflop.backends.torch_runtime.parallel import RankLayout, all_reduce_grads
 from dflop.backends.torch_runtime.shapes import StepData
 
 
+CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+"""How gloo says that the process at the other end of a link is gone."""
+
+
 class ActionFailed(DflopError):
     """One node of the step graph failed on one rank; the message names both."""
 
@@ -134,6 +138,8 @@ class StepRun:
     """(node label, how: raise or exit): fail there (tests of failure handling)."""
     cache: dict = field(default_factory=dict)
     """Inputs made by ``prepare`` before the step."""
+    gpus_per_node: int = 0
+    """Of the planned cluster, to name the node of a peer a failure involves (0: name none)."""
 
     @property
     def t(self):  # noqa: ANN201 - Template
@@ -185,7 +191,29 @@ class StepRun:
         if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in what.lower():
             what = f"out of memory ({self.shape_of(self.graph.nodes[n])}): {what}"
         return ActionFailed(f"rank {self.w.layout.rank} (w{self.w.graph_worker}) failed at step {self.step}, "
-                            f"node {label}: {type(exc).__name__}: {what}", details="\n".join(lines))
+                            f"node {label}{self.peers_named(n, what)}: {type(exc).__name__}: {what}",
+                            details="\n".join(lines))
+
+    def peers_of(self, n: int) -> list[int]:
+        """The ranks node ``n`` exchanges with: a send's receivers, a receive's sender (also while its
+        consumer waits for it: its end is not marked yet), a gradient reduction's replicas."""
+        node, layout = self.graph.nodes[n], self.w.layout
+        if node.kind.is_send:
+            return layout.send_to(node.peer)
+        if node.kind is Kind.REDUCE_GRAD and self.w.zero < 2:
+            return [r for r in dist.get_process_group_ranks(self.w.dp_group) if r != layout.rank]
+        waiting = [n] if node.kind.is_recv else [d for d in self.graph.inputs[n] if d in self.recv_marks][:1]
+        return [layout.recv_from(self.graph.nodes[d].peer) for d in waiting]
+
+    def peers_named(self, n: int, what: str) -> str:
+        """', lost rank 2 (node 1)' when the connection to a peer broke (the peer died, or its node),
+        ', with rank 2 (node 1)' for another failure of a communication; '' otherwise."""
+        peers = self.peers_of(n)
+        if not peers:
+            return ""
+        per_node = self.gpus_per_node
+        names = ", ".join(f"rank {r}" + (f" (node {r // per_node})" if per_node else "") for r in peers)
+        return f", {'lost' if any(m in what for m in CONNECTION_LOST) else 'with'} {names}"
 
     def shape_of(self, node: Node) -> str:
         if node.microbatch < 0:

@@ -47,7 +47,10 @@ class TorchOptions(ExecutionSpec):
     """Initial weights and synthetic inputs."""
     checkpoint_dir: str = ""
     resume: bool = False
-    """Continue from the newest complete checkpoint in checkpoint_dir."""
+    """Continue from the newest complete checkpoint in checkpoint_dir that has steps left after it
+    (from step 0 when there is none)."""
+    resume_from: str = ""
+    """That checkpoint, found and checked by the launcher before any rank starts (set by the backend)."""
     progress_dir: str = ""
     """Folder where every rank keeps the node it is at, to name it if the rank dies."""
     fail_at: tuple[int, str, str] = (-1, "", "")
@@ -131,7 +134,7 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[Worker, G
             fully_shard_stage(module, groups.fsdp_mesh(gw.module, shards), reshard_after_forward=plan.zero == 3)
     worker = Worker(layout.worker, layout, stages, encoder, dp_mesh.get_group(), device, opts.seed,
                     model.encoder.image_size, model.llm.vocab, plan.zero)
-    optimizer = make_optimizer(worker.parameters(), plan.zero, worker.dp_group, opts.lr, opts.weight_decay)
+    optimizer = make_optimizer(worker.parameters(), plan.zero, worker.dp_group, opts)
     info = {"tied": tied, "gw": gw, "dtype": dtype}
     return worker, groups, template, optimizer, info
 
@@ -176,12 +179,8 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     rank = dist.get_rank()
     worker, groups, template, optimizer, info = _setup(payload, rank, device)
     named = named_parameters(worker.stages, worker.colocated_encoder, template)
-    start = 0
+    start = checkpoint.load(Path(opts.resume_from), named, optimizer)["step"] if opts.resume_from else 0
     folder = Path(opts.checkpoint_dir) if opts.checkpoint_dir else None
-    if opts.resume and folder is not None:
-        found = checkpoint.latest(folder)
-        if found is not None:
-            start = checkpoint.load(found, named, optimizer)["step"]
     result = RankResult(rank, worker.graph_worker, worker.layout.tp_index, start)
     model = payload.model
     progress = ProgressFile(Path(opts.progress_dir), rank) if opts.progress_dir else None
@@ -196,6 +195,7 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
         if opts.fail_at[0] == step and rank == 0:
             run.fail = (opts.fail_at[1], opts.fail_at[2])
         run.progress = progress
+        run.gpus_per_node = payload.gpus_per_node
         run.prepare()
         dist.barrier()
         clock.mark()
@@ -210,7 +210,7 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
         result.steps.append({"step": step, "nodes": {n: (marks[a], marks[b]) for n, a, b in run.times},
                              "optimizer": (marks[opt_start], marks[end]), "end": marks[end], "loss": run.loss})
         if folder is not None and opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
-            checkpoint.save(folder, step + 1, named, optimizer, {"seed": opts.seed, "plan": payload.plan.describe()})
+            checkpoint.save(folder, step + 1, named, optimizer, checkpoint.identity(opts.seed, payload.plan))
     if keep_parameters:
         result.parameters = {n: _full(p).detach().cpu().clone() for n, p in named.items()}
     dist.barrier()

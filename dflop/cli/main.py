@@ -11,7 +11,7 @@ import click
 
 from dflop.cli.output import emit, fmt_stats, log
 from dflop.errors import DflopError, check_output, ensure_writable_folder
-from dflop.specs.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_SAMPLES, MAX_STEPS
+from dflop.specs.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_PREDICTION_ERROR, MAX_SAMPLES, MAX_STEPS
 from dflop.specs.scheduling import Solver
 from dflop.viz.style import IMAGE_SUFFIXES
 
@@ -296,6 +296,17 @@ ERROR_HELP = ("Per-sample prediction error (lognormal sigma) the speedups are al
               "profiled model's held-out error, or 0.2 for the analytical model).")
 
 
+def _not_nan(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """NaN passes FloatRange (every comparison with it is false): refuse it here."""
+    if value is not None and value != value:
+        raise click.BadParameter("nan is not a number")
+    return value
+
+
+prediction_error_option = click.option("--prediction-error", "error", callback=_not_nan, help=ERROR_HELP,
+                                       type=click.FloatRange(0.0, MAX_PREDICTION_ERROR))
+
+
 def _pct(x: float | None) -> str:
     return f"{x:.1%}" if x is not None else "n/a"
 
@@ -337,7 +348,7 @@ def baseline_lines(r: dict[str, Any]) -> list[str]:
 @cli.command()
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one).")
 @cluster_options
-@click.option("--prediction-error", "error", type=click.FloatRange(min=0.0), help=ERROR_HELP)
+@prediction_error_option
 @click.option("--out", type=Output(), required=True, help="Plan (YAML) to write, with the cluster it is made for.")
 @json_option
 def optimize(config: Path | None, gpus: int | None, nodes: int | None, error: float | None, out: Path,
@@ -478,7 +489,7 @@ def simulate(config: Path | None, plan_path: Path | None, gpus: int | None, node
                    "instead of searching one.")
 @cluster_options
 @click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Steps to run.")
-@click.option("--prediction-error", "error", type=click.FloatRange(min=0.0), help=ERROR_HELP)
+@prediction_error_option
 @click.option("--out", type=Output(folder=True), default=Path("out/run"), show_default=True)
 @click.option("--resume", type=click.Path(exists=True, file_okay=False, writable=True, path_type=Path),
               help="Continue the checkpointed torch run in this folder "
@@ -656,8 +667,10 @@ def main(argv: list[str] | None = None) -> int:
         cli.main(args=args, prog_name="dflop", standalone_mode=False)
     except click.exceptions.Exit as exc:
         return exc.exit_code
-    except click.exceptions.Abort:
-        log("dflop: aborted")
+    except click.exceptions.Abort as exc:  # click's answer to Ctrl-C; an interrupted run's says how to go on
+        cause = exc.__cause__
+        log(f"dflop: interrupted: {_one_line(cause)}" if isinstance(cause, KeyboardInterrupt) and str(cause)
+            else "dflop: aborted")
         return 130
     except click.ClickException as exc:
         if debug:

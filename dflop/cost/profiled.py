@@ -172,7 +172,7 @@ def off_their_neighbours(records: list[dict], factor: float = OFF_NEIGHBOURS) ->
     """Grid records (not held out, not at either end of their grid) whose forward or backward time is
     ``factor`` or more off what the fit of their group's other records predicts there. The fit runs
     through every grid point, so such a record bends the model around one disturbed measurement
-    (one 4096-token forward once came out 2x its neighbours'); it says nothing about held-out shapes,
+    (a neighbour's process woke up mid-shape); it says nothing about held-out shapes,
     which test the model and are left as measured. ``records`` are one model's, of one device and
     dtype (as a fit is made of)."""
     off = []

@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 from dflop.cost.analytical import UNCALIBRATED_ERROR, AnalyticalCostModel
 from dflop.cost.profiled import ProfiledCostModel
 from dflop.cost.protocol import CostModel
-from dflop.cost.store import load_records
+from dflop.cost.store import architecture_mismatch, load_sourced
 from dflop.specs.hardware import HardwareSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
 
@@ -18,11 +18,21 @@ from dflop.specs.models import MLLMSpec
 def select_cost_model(model: MLLMSpec, hardware: HardwareSpec, training: TrainingSpec,
                       profiles: Iterable[str | Path] = (),
                       warn: Callable[[str], None] | None = None) -> tuple[CostModel, str]:
-    """(cost model, a line saying which and why)."""
-    records = [r for r in load_records(profiles, warn) if r["device"] in hardware.device_names]
-    names = {"encoder": model.encoder.name, "llm": model.llm.name}
+    """(cost model, a line saying which and why). Records are matched by model name and then by
+    architecture: a profile of a model of the same name but other widths (a config's own
+    ``tiny-llm``, 4096 wide) would price it dozens of times too fast, so it is not used."""
+    specs = {"encoder": model.encoder, "llm": model.llm}
+    records, other = [], ""
+    for r, where in load_sourced(profiles, warn):
+        if r["device"] not in hardware.device_names or r["model"] != specs[r["module"]].name:
+            continue
+        mismatch = architecture_mismatch(r, specs[r["module"]])
+        if not mismatch:
+            records.append(r)
+        elif not other:
+            other = f"the profile of {r['model']} in {where} was measured on another architecture ({mismatch})"
     for dtype in ("bfloat16", "float32", "float16"):
-        mine = [r for r in records if r["dtype"] == dtype and r["model"] == names[r["module"]]]
+        mine = [r for r in records if r["dtype"] == dtype]
         covered = {r["module"] for r in mine if r["phase"] == "block"}
         if covered == {"encoder", "llm"}:
             cost = ProfiledCostModel(model, hardware, training, mine, device=mine[0]["device"], dtype=dtype)
@@ -30,8 +40,8 @@ def select_cost_model(model: MLLMSpec, hardware: HardwareSpec, training: Trainin
             return cost, (f"cost model: {cost.name}, held-out error median {err['median']:.1%} "
                           f"on {err['shapes']} shapes")
     return (AnalyticalCostModel(model, hardware, training),
-            f"cost model: analytical ({hardware.name}; no measured profile of {model.encoder.name} and "
-            f"{model.llm.name} on this device)")
+            f"cost model: analytical ({hardware.name}; " + (other or f"no measured profile of {model.encoder.name} "
+                                                             f"and {model.llm.name} on this device") + ")")
 
 
 

@@ -6,6 +6,8 @@ that is interrupted loses nothing; reading de-duplicates on the record key
 so a rerun can skip whatever is already there. A line that is not a valid
 record is skipped with a warning naming the file and line; a record appended
 after a torn last line (an interrupted write) starts a line of its own.
+A record's ``arch`` names the architecture measured, so that a model which
+only shares a profiled model's name is not priced with its figures.
 """
 
 from __future__ import annotations
@@ -44,6 +46,43 @@ def tp_comm_of(record: dict[str, Any]) -> TPComm | None:
     return None if record["tp"] == 1 else TPComm(record.get("tp_comm", TPComm.MODELLED.value))
 
 
+ARCHITECTURE = {"llm": ("hidden", "heads", "kv_heads", "ffn", "vocab", "qkv_bias"),
+                "encoder": ("hidden", "heads", "mlp", "image_size", "patch_size", "norm", "qk_norm", "qkv_bias",
+                            "downsample")}
+"""The spec fields a module's figures depend on: the shapes of one block and of the fixed parts. Not
+the name, nor the layer count (the cost model multiplies a block's figures by it), nor the width of
+the LLM an encoder's projector was measured for (an encoder is profiled once, for any LLM)."""
+
+
+def architecture(module: str, spec: Any) -> dict[str, Any]:
+    """What a record of ``spec`` (an encoder or LLM spec) says it was measured on (its ``arch``)."""
+    return {name: getattr(spec, name) for name in ARCHITECTURE[module]}
+
+
+def measured_architecture(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The architecture ``record`` was measured on: its ``arch``; a record from before that field
+    names a preset (the profiler measures presets only), whose architecture it was. None: unknown."""
+    if "arch" in record:
+        return record["arch"]
+    from dflop.specs import presets
+
+    kind = "encoders" if record["module"] == "encoder" else "llms"
+    if record["model"] not in presets.names(kind):
+        return None
+    spec = presets.encoder(record["model"]) if kind == "encoders" else presets.llm(record["model"])
+    return architecture(record["module"], spec)
+
+
+def architecture_mismatch(record: dict[str, Any], spec: Any) -> str:
+    """'' when ``record`` may price ``spec``; else the first field that differs, as
+    ``hidden 128, the model's 4096``."""
+    measured = measured_architecture(record) or {}
+    for name, value in architecture(record["module"], spec).items():
+        if name in measured and measured[name] != value:
+            return f"{name} {measured[name]}, the model's {value}"
+    return ""
+
+
 def record_key(record: dict[str, Any]) -> tuple:
     return tuple(record[f] for f in KEY_FIELDS) + (tuple(sorted(record["shape"].items())),)
 
@@ -65,6 +104,9 @@ def _problem(record: Any) -> str | None:
             return f"field '{name}' must be an integer >= 1"
     if record.get("tp_comm", TPComm.MODELLED.value) not in {c.value for c in TPComm}:
         return f"field 'tp_comm' must be one of {', '.join(c.value for c in TPComm)}"
+    arch = record.get("arch", {})
+    if not isinstance(arch, dict) or not all(isinstance(v, (str, bool)) or _finite(v) for v in arch.values()):
+        return "field 'arch' must map names to strings, booleans or finite numbers"
     shape = record.get("shape")
     if not isinstance(shape, dict) or not shape or not all(_finite(v) for v in shape.values()):
         return "field 'shape' must map names to finite numbers"
@@ -126,21 +168,30 @@ def read_records(text: str, where: str, warn: Callable[[str], None] | None = Non
     return list(latest.values())
 
 
+SHIPPED = "dflop/cost/profiles"
+
+
 def shipped_records(warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Profiles that ship with dflop (measured on the machines their ``device`` names)."""
     folder = resources.files("dflop.cost").joinpath("profiles")
     out: list[dict[str, Any]] = []
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".jsonl"):
-            out.extend(read_records(entry.read_text(), f"dflop/cost/profiles/{entry.name}", warn))
+            out.extend(read_records(entry.read_text(), f"{SHIPPED}/{entry.name}", warn))
     return out
+
+
+def load_sourced(folders: Iterable[str | Path] = (), warn: Callable[[str], None] | None = None,
+                 shipped: bool = True) -> list[tuple[dict[str, Any], str]]:
+    """(record, the folder it comes from) of the shipped records and every store folder's,
+    de-duplicated (later sources win)."""
+    latest = {record_key(r): (r, SHIPPED) for r in (shipped_records(warn) if shipped else [])}
+    for folder in folders:
+        latest.update((record_key(r), (r, str(folder))) for r in ProfileStore(Path(folder) / FILENAME).read(warn))
+    return list(latest.values())
 
 
 def load_records(folders: Iterable[str | Path] = (), warn: Callable[[str], None] | None = None,
                  shipped: bool = True) -> list[dict[str, Any]]:
     """Shipped records plus those of every store folder, de-duplicated (later sources win)."""
-    records = shipped_records(warn) if shipped else []
-    for folder in folders:
-        records.extend(ProfileStore(Path(folder) / FILENAME).read(warn))
-    latest = {record_key(r): r for r in records}
-    return list(latest.values())
+    return [r for r, _ in load_sourced(folders, warn, shipped)]

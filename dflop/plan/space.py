@@ -39,7 +39,7 @@ from enum import Enum
 from typing import Callable, Iterator
 
 from dflop.cost.protocol import StageSpec, WorkShape
-from dflop.plan.split import balanced_split
+from dflop.plan.split import balanced_split, first_last_split
 from dflop.program.schedules import ScheduleKind, schedule_kind, shape_problem
 from dflop.specs.plan import ModulePlan, Placement, Plan, Recompute, even_split
 
@@ -168,18 +168,7 @@ class SpaceBuilder:
             return even_split(layers, stages)
         if how is Layers.BALANCED:
             return balanced_split(layers, per_layer, extra)
-        best, best_cost = even_split(layers, stages), float("inf")
-        middle = stages - 2
-        for first in range(1, layers - middle):
-            for last in range(1, layers - first - middle + 1):
-                rest = layers - first - last
-                if (middle == 0 and rest) or (middle and (rest < middle or rest % middle)):
-                    continue
-                split = (first,) + (rest // middle,) * middle + (last,) if middle else (first, last)
-                cost = max(n * per_layer + e for n, e in zip(split, extra))
-                if cost < best_cost:
-                    best, best_cost = split, cost
-        return best
+        return first_last_split(layers, per_layer, extra)
 
     def llm_split(self, tp: int, stages: int, bin_samples: float, encoder_tp: int | None,
                   how: Layers) -> tuple[int, ...]:
@@ -267,10 +256,13 @@ class SpaceBuilder:
 
     def encoder_gpu_options(self, llm_tp: int) -> list[int]:
         """GPUs the encoder may get: any count on small clusters, whole nodes from 4 nodes up, and
-        at most ~32 choices (in whole nodes) on large ones."""
+        at most ~32 choices on large ones (in whole nodes, or in whole TP groups on a few nodes of
+        very many GPUs, where every count was a million choices to bound)."""
         quantum = self.per_node if self.n >= 4 * self.per_node else 1
         if self.n >= 32 * self.per_node:
             quantum = (self.n // 32) // self.per_node * self.per_node
+        elif self.n // quantum > 32:
+            quantum = max(llm_tp, (self.n // 32) // llm_tp * llm_tp)
         return [e for e in range(quantum, self.n, quantum) if e % llm_tp == 0]
 
     def _layouts(self, space: Space, skip_split: Callable[[int], bool]) -> Iterator[tuple[tuple[int, ...], Encoder]]:

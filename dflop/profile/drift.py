@@ -1,18 +1,17 @@
 """Profile drift: is a stored profile still this machine's?
 
 A profile is one machine measured at one time. A shared VM's speed moves with its
-neighbours (this 2-core VM's by a third within minutes), a cluster's nodes differ, a
-driver or torch upgrade moves kernels; a cost model fitted on the profile then prices
-every op too high or too low. Measuring a few of the profile's own shapes again, the
+neighbours, a cluster's nodes differ, a driver or torch upgrade moves kernels; a cost
+model fitted on the profile then prices every op too high or too low. Measuring a few of the profile's own shapes again, the
 same way (processes, TP groups, dtype), says by how much, apart from anything the
 simulator gets wrong: per model, each part (block, embeddings, head, projector) at
 every stored TP degree, at a few grid sizes around a microbatch size.
 
-It diagnoses, it does not correct: on the 2-core VM the parts moved by different
-amounts (0.63x to 0.96x in one check) and whole steps by less than their ops, so a
-profile rescaled part by part from a check predicted the plans' step times closer on
-the median but ordered them worse (``benchmarks/bench_fidelity.py``, one trial). When
-a check says the profile is off, measure it again.
+It diagnoses, it does not correct: the parts of a profile move by different amounts,
+and whole steps by less than their ops, so rescaling a profile part by part from a
+check can bring the median step time closer while ordering the plans worse, and the
+order of plans is what the optimizer needs. When a check says the profile is off,
+measure it again.
 """
 
 from __future__ import annotations

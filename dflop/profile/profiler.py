@@ -15,14 +15,14 @@ Measured "the way the backend runs": with ``processes`` > 1, as many processes
 measure the very same shapes in lock-step (a barrier before every shape) and
 only the first one records, so every figure carries the slowdown of ranks that
 share the machine's cores, caches and memory bandwidth, as the backend's
-one-process-per-core ranks do (on this 2-core VM, two busy ranks each ran up to
-40% slower than one alone). Each record says how many processes measured it.
+one-process-per-core ranks do (a rank alone on the machine runs faster than one
+beside a busy peer, so a profile of one process would price the backend's steps
+short). Each record says how many processes measured it.
 On CPU every process is set up as the backend's ranks are
 (``dflop.cpu_process``): ``CPU_THREADS`` torch threads whatever the environment
-says (two ranks of two threads each on two cores ran the same shapes about 3x
-slower here, once 18x: threads that outnumber the cores wait on each other
-erratically), and freed memory kept in the process rather than handed back to
-the system and faulted in again on the next repeat. Records say both.
+says (threads that outnumber the cores wait on each other erratically), and
+freed memory kept in the process rather than handed back to the system and
+faulted in again on the next repeat. Records say both.
 
 Tensor parallelism with ``processes`` > 1 runs in real TP groups: the
 processes split into gloo groups of ``tp``, each block is split with torch's
@@ -73,7 +73,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dflop.cost.profiled import off_their_neighbours
-from dflop.cost.store import FSDP_UNIT, ProfileStore, TPComm, record_key, tp_comm_of
+from dflop.cost.store import FSDP_UNIT, ProfileStore, TPComm, architecture, record_key, tp_comm_of
 from dflop.cpu_process import set_up_cpu_process
 from dflop.errors import DflopError
 from dflop.models.llm import DecoderBlock, RMSNorm, pack, shard, wide
@@ -201,8 +201,8 @@ def measure(module: nn.Module, make_inputs: Callable[[], tuple], device: str, wa
 
     Fast ops run ``inner`` times inside each timed sample (enough for MIN_SAMPLE_MS), so that
     timer resolution and scheduling noise do not dominate sub-millisecond measurements; ``inner``
-    comes from a second, warm forward (a TP 2 ViT block's first one, setting up DTensor's dispatch,
-    took over 20 ms against 3 ms later: one run per sample, and gloo's jitter in the median).
+    comes from a second, warm forward (the first one sets up DTensor's dispatch and runs several
+    times slower, which would leave one run per sample and gloo's jitter in the median).
     The ranks of a TP ``group`` agree on ``inner`` (the largest), as they must run the same collectives."""
     timer = Timer(device)
     inputs = make_inputs()
@@ -525,7 +525,7 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
     comm = TPComm.MEASURED if processes > 1 else TPComm.MODELLED
     done = {record_key(rec) for rec in r.store.read() if tp_comm_of(rec) in (None, comm)}
     base = {"device": device_name(device), "module": r.kind, "model": r.spec.name, "dtype": r.dtype}
-    records = [{**base, "tp": tp, "phase": phase, "shape": shape,
+    records = [{**base, "arch": architecture(r.kind, r.spec), "tp": tp, "phase": phase, "shape": shape,
                 **({"tp_comm": comm.value} if tp > 1 else {})}
                for tp, (phase, shape, *_) in _todo(r, tps, device, Meshes())]
     pending = [i for i, rec in enumerate(records) if record_key(rec) not in done]

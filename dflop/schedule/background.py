@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
+import numpy as np
+
 from dflop.errors import DflopError
 from dflop.schedule.step import StepSchedule
 from dflop.specs import scheduling
@@ -98,10 +100,17 @@ def check_schedule(batch: SampleTable, schedule: StepSchedule) -> None:
     """Every sample of the batch in exactly one bin, and nothing else."""
     if sorted(schedule.ids) != sorted(str(i) for i in batch.ids):
         raise SchedulerError("a schedule does not hold exactly the samples of its batch")
-    bins = schedule.replicas * schedule.microbatches
-    if len(schedule.assignment) != len(batch) or schedule.assignment.min() < 0 \
-            or schedule.assignment.max() >= bins:
-        raise SchedulerError("a schedule puts a sample in a bin that does not exist")
+    check_bins(schedule.assignment, len(batch), schedule.replicas * schedule.microbatches)
+
+
+def check_bins(assignment: np.ndarray, samples: int, bins: int) -> None:
+    """An assignment of ``samples`` samples, each to one of the bins 0..bins-1."""
+    if len(assignment) != samples:
+        raise SchedulerError(f"a schedule places {len(assignment)} samples, its batch has {samples}")
+    outside = np.flatnonzero((assignment < 0) | (assignment >= bins))
+    if len(outside):
+        raise SchedulerError(f"a schedule puts a sample in a bin that does not exist (sample {outside[0]} "
+                             f"in bin {assignment[outside[0]]}, bins 0..{bins - 1})")
 
 
 class _Feed:

@@ -1,11 +1,11 @@
 """Complete search for small problems: a partition with every bin at most a limit, or proof of none.
 
 With a handful of items per bin, a near-perfect partition is a needle: the
-exchange search stalls 0.2-0.6% above the optimum on 24 items in 4 bins, and
-CBC and HiGHS do not find it within a second either (measured). Bin
-completion finds it: the heaviest item left opens the next bin, which is
-completed by each subset of the others whose sums keep the bin within the limit
-and leave the rest no more than the remaining bins can hold (at least
+exchange search can stall short of it, and a general ILP solver need not find
+it within a short limit either. Bin completion finds it: the heaviest item left
+opens the next bin, which is completed by each subset of the others whose
+sums keep the bin within the limit and leave the rest no more than the
+remaining bins can hold (at least
 ``total - (bins left - 1) * limit`` in every dimension). Subsets come from a
 meet-in-the-middle range query over the subset sums of two halves, so a limit
 near the lower bound leaves only a handful to try. Exponential in general:

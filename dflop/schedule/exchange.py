@@ -8,13 +8,12 @@ pair instead (the first, heaviest bins first, whose larger bin an exchange
 lowers): that can make room for the critical bin in the next round. The
 search ends when no pair of bins admits such an exchange.
 
-Single moves and swaps (k = 1) cannot fine-tune two dimensions at once: on
-instances where a perfect partition exists they stall at 0.1-0.3% above it;
-exchanges of up to five items a side reach 0.003-0.01% (measured in
-``benchmarks/bench_scheduler.py``). Taking the best partner rather than the
-first that admits an exchange halves the rounds there (0.4 s instead of 0.8 s
-of CPU at 4096 x 64); rebalancing other pairs halves the gap where the
-critical bin gets stuck (256 x 16).
+Single moves and swaps (k = 1) cannot fine-tune two dimensions at once: where
+a perfect partition exists they stall short of it, and exchanges of up to
+five items a side get much closer (``benchmarks/bench_scheduler.py`` reports
+the gaps). Taking the best partner rather than the first that admits an
+exchange needs fewer rounds; rebalancing other pairs frees a critical bin that
+no exchange with it can lower.
 
 Exchanges are found by a range query, not by trying every pair of subsets.
 With x and y the two bins' loads, giving away subset S and taking subset T

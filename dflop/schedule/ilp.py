@@ -13,9 +13,9 @@ deadline.
 Why a child process: HiGHS checks its clock between phases, not inside them.
 Its root heuristics (randomized rounding after the first LP, central rounding
 towards the analytic centre) call ``tryRoundedPoint``, which fixes every
-integer column in turn and propagates after each fix; on the 4096 x 64 model
-(6,144 integer columns) one such pass takes seconds, and no option switches it
-off (measured with perf: 67% of an 8 s solve under a 0.7 s limit). So the
+integer column in turn and propagates after each fix; on a model of thousands
+of integer columns one such pass takes seconds, and no option switches it
+off, so a limit passed to the solver alone is overrun. So the
 solve runs in a forked child that the parent kills at the deadline, keeping
 the warm start; the child also points its stdout at stderr, so no solver
 message lands in a command's JSON. Where fork is not available the solve runs

@@ -12,11 +12,13 @@ deterministic solvers are allowed here (``lpt``, ``kk``, ``sequential``,
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+import threading
+from typing import Callable, Iterator, TypeVar
 
 import numpy as np
 
 from dflop.errors import DflopError
+from dflop.schedule.background import SchedulerError, check_bins
 from dflop.schedule.problem import PartitionProblem
 from dflop.schedule.solve import partition
 from dflop.specs import scheduling
@@ -25,6 +27,30 @@ from dflop.workload.sample import Sample, SampleTable
 
 DETERMINISTIC = ("lpt", "kk", "sequential", "random")
 Costs = Callable[[SampleTable], np.ndarray]
+DEADLINE_S = 60.0
+"""Seconds one partition may take: these one-pass solvers split even a million samples in seconds."""
+T = TypeVar("T")
+
+
+def _within(seconds: float, solve: Callable[[], T], what: str) -> T:
+    """``solve()``, run on a daemon thread so that one that never returns is given up after
+    ``seconds`` (and left behind); what it raises is raised here."""
+    done, out = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            out["value"] = solve()
+        except BaseException as exc:  # handed to the caller
+            out["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="dflop-sampler-solve", daemon=True).start()
+    if not done.wait(seconds):
+        raise SchedulerError(f"{what}: no partition after the deadline of {seconds:g} s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def default_costs(samples: SampleTable) -> np.ndarray:
@@ -53,12 +79,19 @@ class BalancedBatchSampler:
     microbatches per rank, so every sample comes exactly once per epoch; only
     when the tail has fewer samples than ranks do some ranks get an empty
     microbatch (a list with no index) for it.
+
+    ``costs`` maps a global batch to one cost (or cost vector) per sample. Each
+    partition may take ``deadline`` seconds; a solver still running then, or one
+    whose answer leaves a sample out of the bins, raises a SchedulerError rather
+    than falling back on LPT: every rank partitions on its own, and a fallback
+    taken by one rank only (its solve a little slower) would give the ranks
+    different bins, some samples trained twice and others never.
     """
 
     def __init__(self, shapes: DataProfile | SampleTable | Callable[[int], Sample], *, global_batch: int,
                  dp_size: int, dp_rank: int, microbatches: int, dataset_size: int | None = None,
                  costs: Costs | None = None, solver: str = "lpt", seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = True) -> None:
+                 drop_last: bool = True, deadline: float = DEADLINE_S) -> None:
         self.global_batch = scheduling.whole_number(global_batch, "global_batch", 1)
         self.dp_size = scheduling.whole_number(dp_size, "dp_size", 1)
         self.microbatches = scheduling.whole_number(microbatches, "microbatches", 1)
@@ -67,6 +100,7 @@ class BalancedBatchSampler:
             raise DflopError(f"dp_rank {dp_rank} is outside 0..{self.dp_size - 1}")
         self.seed = scheduling.whole_number(seed, "seed", 0)
         self.solver = scheduling.solver(solver).value
+        self.deadline = scheduling.time_limit(deadline, "deadline")
         if self.solver not in DETERMINISTIC:
             raise DflopError(f"solver '{solver}' is not deterministic across ranks; use one of "
                              f"{', '.join(DETERMINISTIC)} (or AsyncScheduler with a channel)")
@@ -123,7 +157,13 @@ class BalancedBatchSampler:
         slots = self.dp_size * per_rank
         bins = min(slots, len(indices))
         batch = self.table.take(indices)
-        result = partition(PartitionProblem(self.costs(batch), bins), self.solver, seed=self.seed)
+        problem = PartitionProblem(self._costs(batch), bins)
+        result = _within(self.deadline, lambda: partition(problem, self.solver, seed=self.seed),
+                         f"solver '{self.solver}'")
+        try:
+            check_bins(result.assignment, len(batch), bins)
+        except SchedulerError as exc:
+            raise SchedulerError(f"solver '{self.solver}': {exc}") from None
         loads = result.loads.max(axis=1)
         # Bins dealt to ranks heaviest first, round-robin, so every rank's total is alike; a tail
         # with fewer samples than ranks leaves the last ranks an empty microbatch.
@@ -133,6 +173,16 @@ class BalancedBatchSampler:
             members = indices[result.assignment == ranked[position]].tolist() if position < bins else []
             out[position % self.dp_size].append(members)
         return out
+
+    def _costs(self, batch: SampleTable) -> np.ndarray:
+        try:
+            costs = np.asarray(self.costs(batch), dtype=float)
+        except (TypeError, ValueError) as exc:
+            raise DflopError(f"costs: returned something that is not numbers ({exc})") from None
+        if costs.ndim not in (1, 2) or len(costs) != len(batch):
+            raise DflopError(f"costs: returned an array of shape {costs.shape} for a global batch of "
+                             f"{len(batch)} samples; expected one cost or cost vector per sample")
+        return costs
 
     def __iter__(self) -> Iterator[list[int]]:
         for indices in self.global_batches():

@@ -14,11 +14,10 @@ on problems of at most 32 items then the complete search
 GOOD_ENOUGH of the lower bound and for better ones, and proves the answer
 optimal when it finds none; unless proved, the exchange search again from
 perturbed LPT orders, keeping the best, until RESTARTS restarts in a row gain
-nothing. Measured on two-dimensional instances with a
-perfect partition, the previous single moves and swaps stalled at 0.11-0.23%
-above the optimum and the whole-problem ILP never improved on its warm start;
-the search reaches 0.003-0.01% within 1 s (``benchmarks/bench_scheduler.py``).
-The ILP on a few bins at a time (LNS) never improved on the search either.
+nothing. The search comes first because on two-dimensional instances the ILP,
+warm-started from the search's answer, rarely improves on it within a limit
+(``benchmarks/bench_scheduler.py`` compares the two); what the ILP adds is a
+proof of optimality where its classes are exact.
 
 Under per-bin caps a constructive heuristic may find no split that fits
 where another does: the data-aware ones (LPT, KK) make way for each other, and

@@ -13,6 +13,10 @@ from dflop.specs.limits import MAX_SECONDS, MAX_STEPS
 from dflop.specs.loading import check_numbers, limit, require
 
 
+MIN_TIMEOUT_S = 10.0
+"""The shortest timeout_s: the ranks join their process group within it, and processes started
+together still import torch seconds apart on a busy machine; below it a run fails to form."""
+
 CPU_THREADS = 1
 """Torch threads per CPU rank, and per process of a CPU profile that prices one: ranks of more
 threads than their share of the cores slow each other unpredictably."""
@@ -45,8 +49,10 @@ class ExecutionSpec:
     dtype: DType = DType.FLOAT32
     lr: float = field(default=1e-3, metadata=limit(high=1.0))
     """AdamW learning rate."""
+    adam_eps: float = field(default=1e-8, metadata=limit(high=1.0))
+    """AdamW's epsilon (Megatron's ``--adam-eps``): the floor under each gradient's running magnitude."""
     weight_decay: float = field(default=0.0, metadata=limit(0, 1.0))
-    timeout_s: float = field(default=120.0, metadata=limit(high=MAX_SECONDS))
+    timeout_s: float = field(default=120.0, metadata=limit(MIN_TIMEOUT_S, MAX_SECONDS))
     """Point-to-point and collective timeout: a lost peer fails the run after this at the latest."""
     checkpoint_every: int = field(default=0, metadata=limit(0, MAX_STEPS))
     """Save a checkpoint (torch.distributed.checkpoint) every this many steps; 0: never."""
@@ -60,4 +66,4 @@ class ExecutionSpec:
                 require(value in [m.value for m in kind], f"{name}: {value!r} is not one of {names}")
                 object.__setattr__(self, name, kind(value))
         require(self.lr > 0, f"lr: must be positive, got {self.lr}")
-        require(self.timeout_s > 0, f"timeout_s: must be a positive number of seconds, got {self.timeout_s}")
+        require(self.adam_eps > 0, f"adam_eps: must be positive, got {self.adam_eps}")

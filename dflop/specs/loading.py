@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import json
 import math
+import os
 import reprlib
+import stat
 import types
 import typing
 from pathlib import Path
@@ -19,7 +22,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 
 from dflop.errors import SpecError
-from dflop.specs.limits import MAX_DEPTH, MAX_FLOAT, MAX_INT
+from dflop.specs.limits import MAX_DEPTH, MAX_FILE_BYTES, MAX_FLOAT, MAX_INT
 
 T = TypeVar("T")
 
@@ -30,18 +33,38 @@ def require(condition: bool, message: str) -> None:
         raise SpecError(message)
 
 
+def read_regular(path: Path, limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of the regular file ``path``. A device (/dev/zero never ends), a FIFO (it blocks
+    until someone writes) or a file over ``limit`` bytes would hang or exhaust memory: each is a
+    ValueError saying so; the rest are the OSErrors of reading (FileNotFoundError, ...)."""
+    info = path.stat()
+    if stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError("not a regular file (a device, pipe or socket)")
+    too_big = ValueError(f"larger than {limit} bytes, the most dflop reads from one file")
+    if info.st_size > limit:
+        raise too_big
+    data = path.read_bytes()
+    if len(data) > limit:  # it grew while read
+        raise too_big
+    return data
+
+
 def read_text(path: str | Path) -> str:
     """The text of an input file, decoded as UTF-8 (a byte-order mark is dropped); every failure is
     a SpecError naming the file, and for bytes that are not UTF-8 the line too."""
     p = Path(path)
     try:
-        data = p.read_bytes()
+        data = read_regular(p)
     except FileNotFoundError:
         raise SpecError(f"{p}: file not found") from None
     except IsADirectoryError:
         raise SpecError(f"{p}: is a folder, expected a file") from None
     except OSError as exc:
         raise SpecError(f"{p}: cannot read ({exc.strerror})") from None
+    except ValueError as exc:
+        raise SpecError(f"{p}: {exc}") from None
     return decode(data, str(p))
 
 

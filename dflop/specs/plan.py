@@ -226,7 +226,7 @@ class Plan:
                            f"the encoder needs pp 1, tp {llm.tp} and dp {llm.dp} "
                            f"(got {enc.describe()})")
         elif self.virtual_stages > 1:
-            out.append("virtual stages (Interleaved1F1B) need colocated placement")
+            out.append(f"{self.virtual_stages} stages per rank ({self.schedule}) need colocated placement")
         out.extend(self._schedule_problems())
         if global_batch is not None and self.bins > global_batch:
             out.append(f"llm dp {self.llm.dp} x {self.microbatches} microbatches = {self.bins} "

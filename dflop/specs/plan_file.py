@@ -36,6 +36,8 @@ class PlannedCluster:
     def __post_init__(self) -> None:
         check_numbers(self)
         require(bool(self.hardware.strip()), "hardware: must name the hardware, got an empty string")
+        require(self.gpus <= MAX_GPUS, f"nodes: {self.nodes} nodes of {self.gpus_per_node} GPUs are more than "
+                                       f"{MAX_GPUS} GPUs")
 
     @classmethod
     def of(cls, cluster: ClusterSpec) -> "PlannedCluster":

@@ -30,11 +30,12 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from dflop.errors import ManifestError, SpecError
+from dflop.specs.limits import MAX_SAMPLES
 from dflop.specs.loading import parse_yaml
 from dflop.workload.entries import decode
 
@@ -54,6 +55,20 @@ STRATEGY = re.compile(r"(first|end|random):(\d+(?:\.\d+)?)(%?)")
 
 
 @dataclass(frozen=True)
+class Repeated:
+    """Positions 0..n-1, ``times`` times over, without holding them."""
+
+    n: int
+    times: int
+
+    def __len__(self) -> int:
+        return self.n * self.times
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for _ in range(self.times) for i in range(self.n))
+
+
+@dataclass(frozen=True)
 class Sampling:
     """Which entries of a source are used, and how many times."""
 
@@ -69,12 +84,13 @@ class Sampling:
             return f"repeat_time {self.number:g}"
         return f"{self.kind}:{self.number:g}{'%' if self.percent else ''}"
 
-    def select(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        """Positions of the entries used, in the order training sees them."""
+    def select(self, n: int, rng: np.random.Generator) -> np.ndarray | Repeated:
+        """Positions of the entries used, in the order training sees them (repeats unrolled as
+        they are read, so that a limit on the samples applies before they are)."""
         if self.kind == "repeat":
             if self.number < 1:
                 return np.arange(int(n * self.number))
-            return np.tile(np.arange(n), int(self.number))
+            return Repeated(n, int(self.number))
         if self.kind == "all":
             return np.arange(n)
         keep = min(n, math.ceil(self.number * n / 100) if self.percent else int(self.number))
@@ -179,6 +195,9 @@ def meta_json(path: Path, data: bytes, image_root: Path | None) -> list[Source]:
         if repeat <= 0 or (repeat > 1 and not repeat.is_integer()):
             raise ManifestError(f"{where}.repeat_time: expected a whole number of repeats or a fraction "
                                 f"below 1, got {item.get('repeat_time')!r}")
+        if repeat > MAX_SAMPLES:
+            raise ManifestError(f"{where}.repeat_time: {item['repeat_time']!r} repeats, more than the "
+                                f"{MAX_SAMPLES} samples dflop reads from a dataset")
         declared, max_tiles = item.get("length"), item.get("max_dynamic_patch")
         for key, value in (("length", declared), ("max_dynamic_patch", max_tiles)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

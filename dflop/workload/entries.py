@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflop.errors import ManifestError
-from dflop.specs.loading import too_many_digits
+from dflop.specs.loading import read_regular, too_many_digits
 
 BOM = b"\xef\xbb\xbf"
 
@@ -30,13 +30,15 @@ class EntryError(ManifestError):
 
 def read_bytes(path: Path, what: str = "manifest") -> bytes:
     try:
-        data = path.read_bytes()
+        data = read_regular(path)
     except FileNotFoundError:
         raise ManifestError(f"{path}: {what} not found") from None
     except IsADirectoryError:
         raise ManifestError(f"{path}: is a folder, expected a {what} file") from None
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read the {what} ({exc.strerror})") from None
+    except ValueError as exc:
+        raise ManifestError(f"{path}: cannot read the {what}: {exc}") from None
     return data[len(BOM):] if data.startswith(BOM) else data
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from dflop.errors import DflopError, ManifestError
+from dflop.specs.limits import MAX_SAMPLES, MAX_SIZE
 from dflop.specs.models import EncoderSpec, TilingSpec
 from dflop.workload import media
 from dflop.workload.dataset_list import Kind, Source, data_yaml, kind_of, meta_json
@@ -171,11 +172,17 @@ class _Reader:
         items = entries(src.manifest, data)
         chosen = src.sampling.select(len(items), self.sampling_rng)
         columns, schemas, pending, skipped = ShapeColumns(), Counter(), [], self.skips.total
+        if self.limit is None and len(chosen) + self.read > MAX_SAMPLES:
+            raise ManifestError(f"{src.where}: {src.sampling} of {len(items)} entries brings the samples to "
+                                f"{len(chosen) + self.read}, more than the {MAX_SAMPLES} dflop reads from a "
+                                "dataset (--samples reads fewer)")
         limit = self.limit if self.limit is not None else len(chosen) + self.read
         batched, forced = self.tokens.batched, self.schema
-        for index in chosen.tolist():  # the hot loop: 50k entries take about a second
-            if self.read >= limit:
-                break
+        positions, start = [], self.read
+        order = chosen.tolist() if isinstance(chosen, np.ndarray) else chosen  # repeats: unrolled as read
+        for k, index in enumerate(order):  # the hot loop: 50k entries take about a second
+            if self.read >= limit or (k == len(items) and self.read == start):
+                break  # (a pass over every entry read none: the repeats after it would read none either)
             where = items.where(index)
             try:
                 schema, parsed = parse(items.get(index), where, forced)
@@ -189,16 +196,35 @@ class _Reader:
             schemas[schema] += 1
             sample_id = str(parsed.id) if parsed.id is not None else f"{id_prefix}{index}"
             row = columns.add(sample_id, 0 if batched else estimate_text_tokens(parsed.turns), sizes, videos)
+            positions.append(index)
             if batched:
                 pending.append((row, parsed.turns))
                 if len(pending) >= TOKENIZE_CHUNK:
                     self._tokenize(columns, pending)
             self.read += 1
         self._tokenize(columns, pending)
-        if len(columns):
-            self.tables.append(columns.table(tiling, self.frames_rng))
-        self.sources.append(_source_record(src, items, chosen, schemas, len(columns),
+        table = self._bounded(columns.table(tiling, self.frames_rng), items, positions) if len(columns) else None
+        if table is not None and len(table):
+            self.tables.append(table)
+        self.sources.append(_source_record(src, items, chosen, schemas, len(table) if table is not None else 0,
                                            self.skips.total - skipped))
+
+    def _bounded(self, table: SampleTable, items: Any, positions: list[int]) -> SampleTable:
+        """``table`` without samples larger than any sample may be (``MAX_SIZE`` tiles or tokens, the
+        bound a data profile is read back with): each an error naming its entry, or skipped."""
+        keep = np.ones(len(table), dtype=bool)
+        for name in ("tiles", "text_tokens", "image_tokens"):
+            column = getattr(table, name)
+            for row in np.flatnonzero(column > MAX_SIZE).tolist():
+                exc = EntryError(f"{items.where(positions[row])}: {column[row]} {name.replace('_', ' ')}, more "
+                                 f"than the {MAX_SIZE} a sample may have", "too large")
+                if not self.skip_bad:
+                    raise exc
+                if keep[row]:
+                    keep[row] = False
+                    self.skips.add(exc)
+                    self.read -= 1
+        return table if keep.all() else table.take(np.flatnonzero(keep))
 
     def _tokenize(self, columns: ShapeColumns, pending: list[tuple[int, list[str]]]) -> None:
         if pending:
