@@ -26,7 +26,7 @@ def _measure(repeats: int) -> dict[str, list[tuple[int, float]]]:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out: dict[str, list[tuple[int, float]]] = {"p2p": [], "allreduce": []}
     for nbytes in SIZES:
         t = torch.ones(nbytes // 4)

@@ -30,10 +30,6 @@ class InfeasibleError(DflopError):
     """No schedule or plan satisfies the constraints (caps, memory)."""
 
 
-class NotYetAvailable(DflopError):
-    """A command that a later piece of work fills in."""
-
-
 def ensure_writable_folder(folder: str | Path, what: str) -> Path:
     """Create ``folder`` and check it can be written, so that a run fails before any work, not
     after it; ``what`` names the folder in the message (output, profile)."""

@@ -5,7 +5,6 @@ import time
 import warnings
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -15,7 +14,7 @@ from cli_helpers import assert_one_line_error, dflop, dflop_json
 from dflop.cost import StageSpec, WorkShape
 from dflop.cost.profiled import ProfiledCostModel, _shape_x, holdout_error, off_their_neighbours
 from dflop.cost.select import select_cost_model
-from dflop.cost.store import ProfileStore, architecture, record_key, shipped_records
+from dflop.cost.store import ProfileStore, architecture, shipped_records
 from dflop.specs import TrainingSpec, presets
 
 TINY = presets.model("tiny-vit", "tiny-llm")

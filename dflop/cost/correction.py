@@ -36,11 +36,6 @@ def bucket_of(samples: SampleTable) -> np.ndarray:
     return samples.modality.astype(np.int64) * (len(SIZE_EDGES) + 1) + size
 
 
-def bucket_names() -> list[str]:
-    sizes = [f"<{int(SIZE_EDGES[0])}"] + [f"<{int(e)}" for e in SIZE_EDGES[1:]] + [f">={int(SIZE_EDGES[-1])}"]
-    return [f"{m.value}:{s}" for m in MODALITIES for s in sizes]
-
-
 BUCKETS = len(MODALITIES) * (len(SIZE_EDGES) + 1)
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
 
 Array = Any  # float or numpy array
@@ -129,7 +127,3 @@ def vit_layer_selective_elements(enc: EncoderSpec, tiles: Array) -> Array:
 def projector_activation_elements(model: MLLMSpec, tiles: Array) -> Array:
     tokens = tiles * model.encoder.patches_per_tile / model.encoder.merge
     return tokens * (model.projector_in + 2 * model.llm.hidden)
-
-
-def as_array(x: Array) -> np.ndarray:
-    return np.asarray(x, dtype=float)

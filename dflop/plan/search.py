@@ -32,7 +32,7 @@ and the strongest baseline, for the report; choices use the fast evaluator.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np

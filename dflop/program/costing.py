@@ -295,7 +295,7 @@ class _Costing:
         return out
 
     def build(self) -> StepTiming:
-        t, m = self.b.t, self.b.m
+        t = self.b.t
         slowdown = self.b.cluster.hardware.comm_slowdown
         n = len(t.ops)
         fields: dict[str, list] = {f: [None] * n for f in ("duration", "alloc", "free", "transient", "flops",

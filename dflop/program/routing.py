@@ -42,12 +42,6 @@ class BridgeRoutes:
 
     pairs: tuple[tuple[tuple[int, int], ...], ...]
 
-    def senders(self, k: int, llm_replica: int) -> list[int]:
-        return [j for j, r in self.pairs[k] if r == llm_replica]
-
-    def receivers(self, k: int, encoder_replica: int) -> list[int]:
-        return [r for j, r in self.pairs[k] if j == encoder_replica]
-
 
 def step_routes(plan: Plan, batch: SampleTable, assignment: np.ndarray) -> BridgeRoutes | None:
     """The bridge routes of one step of ``plan`` (None when the encoder is colocated: no bridge)."""

@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
-from pathlib import Path
 
 import numpy as np
 import yaml
 
 from dflop.errors import SpecError
-from dflop.specs.loading import from_mapping, load_yaml, require
+from dflop.specs.loading import from_mapping, require
 from dflop.specs.models import EncoderSpec
 from dflop.workload import vision
 from dflop.workload.sample import MODALITIES, Modality, SampleTable
@@ -80,13 +79,6 @@ def mix(name: str) -> MixSpec:
     if key not in table:
         raise SpecError(f"unknown data preset '{name}' (known: {', '.join(table)})")
     return from_mapping(MixSpec, {"name": key, **table[key]}, f"mixes.yaml: {key}")
-
-
-def load_mix(path: str | Path) -> MixSpec:
-    data = load_yaml(path)
-    if isinstance(data, dict) and "name" not in data:
-        data = {"name": Path(path).stem, **data}
-    return from_mapping(MixSpec, data, f"{path}:")
 
 
 def with_shares(spec: MixSpec, **shares: float) -> MixSpec:
