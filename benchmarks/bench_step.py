@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflop.cost import AnalyticalCostModel, System
-from dflop.experiments import correction_study
+from dflop.jobs.experiments import correction_study
 from dflop.program.evaluate import evaluate
 from dflop.program.steps import StepRunner
 from dflop.schedule.slots import ORDERS

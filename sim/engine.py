@@ -14,7 +14,13 @@ The simulation is event-driven without processes: a compute node or a
 collective is one SimPy event, scheduled when it can start and firing when it
 ends; its callback hands the end time to the nodes that wait for it. Sends and
 receives need no events of their own: when a send's producer finishes, the
-transfer is booked on its link and the arrival time passed on at once.
+transfer is booked on its link and the arrival time passed on at once. Only
+SimPy's public API is used (``timeout``, an event's ``callbacks`` and
+``value``, ``now``, ``run``), so SimPy may change its internals freely; a
+compute node's end is known when its event is scheduled, so its callback reads
+that instead of the clock. Per-worker processes waiting on ``AllOf`` of their
+predecessors would cost several SimPy events per node instead of one per
+compute node.
 """
 
 from __future__ import annotations
@@ -49,31 +55,33 @@ class Execution:
 def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, track_memory: bool = True) -> Execution:
     env = simpy.Environment()
     n = len(graph)
-    start, end = [0] * n, [-1] * n  # end -1 until the node has finished
+    start, end = [0] * n, [-1] * n  # end -1 until the node has finished (or, for one that runs, is due)
     consumers, streams, link = graph.consumers, graph.streams, graph.link
     compute, p2p = Stream.COMPUTE, Stream.P2P
     duration = costs.duration.tolist()
     alloc, free, transient = costs.alloc.tolist(), costs.free.tolist(), costs.transient.tolist()
-    overlapping, lag = graph.overlapping, costs.lag.tolist()
+    lag = costs.lag  # read for anchored nodes only (.item(): the Python number tolist would give)
+    overlapping = graph.overlapping
     missing = list(graph.waits)
     ready_at = [0] * n
     collective_missing = [len(c) for c in graph.collectives]
     link_free = [0] * graph.links
     held = costs.static_bytes.tolist()
-    peak = np.array(held, dtype=float)
+    peak = [float(h) for h in held]  # a list while running: numpy's scalar indexing costs more per change
     memory: list[list[tuple[int, float]]] = [[(0, h)] for h in held]
     oom: list[dict] = []
+    capacity = costs.capacity
     worker_of = graph.worker_of
     timeout = env.timeout
 
     def change(w: int, delta: float, at: int) -> None:
-        held[w] += delta
+        now_held = held[w] = held[w] + delta
         if track_memory:
-            memory[w].append((at, held[w]))
-        if held[w] > peak[w]:
-            peak[w] = held[w]
-            if held[w] > costs.capacity and not any(e["worker"] == w for e in oom):
-                oom.append({"worker": w, "ns": at, "bytes": held[w], "capacity": costs.capacity})
+            memory[w].append((at, now_held))
+        if now_held > peak[w]:
+            peak[w] = now_held
+            if now_held > capacity and not any(e["worker"] == w for e in oom):
+                oom.append({"worker": w, "ns": at, "bytes": now_held, "capacity": capacity})
 
     def known(c: int, at: int, now: int) -> None:
         """One more thing node c waits for is known to be over by ``at``."""
@@ -113,9 +121,10 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
             start[k] = at
             if alloc[k] or transient[k]:  # the worker is idle until then, so booking early changes no peak
                 change(worker_of[k], alloc[k] + transient[k], at)
+            end[k] = at + duration[k]  # when its event fires (read there instead of the clock)
             timeout(at - now + duration[k], k).callbacks.append(compute_done)
             for c in overlapping[k]:
-                known(c, at + lag[c], now)
+                known(c, at + lag[c].item(), now)
         else:
             c = graph.nodes[k].collective
             collective_missing[c] -= 1
@@ -127,23 +136,27 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
                 timeout(at - now + duration[k], c).callbacks.append(collective_done)
 
     def compute_done(event: simpy.Event) -> None:
-        k, now = event._value, env._now  # SimPy's fields: its properties cost a call per node
+        k = event.value
+        now = end[k]  # == env.now: the event was due then
         if free[k] or transient[k]:
             change(worker_of[k], -(free[k] + transient[k]), now)
         finished(k, now, now)
 
     def collective_done(event: simpy.Event) -> None:
-        now = env._now
-        for m in graph.collectives[event._value]:
+        now = env.now
+        for m in graph.collectives[event.value]:
             finished(m, now, now)
 
     for k in range(n):
         if not missing[k]:
             begin(k, 0)
     env.run()
-    unfinished = [k for k in range(n) if end[k] < 0]
-    if unfinished:
+    ends = np.array(end, dtype=np.int64)
+    unfinished = np.flatnonzero(ends < 0)
+    if len(unfinished):
+        first = int(unfinished[0])
         raise RuntimeError(f"simulation stalled with {len(unfinished)} nodes unfinished, first "
-                           f"{graph.labels[unfinished[0]]} on worker {worker_of[unfinished[0]]}")
-    return Execution(np.array(start, dtype=np.int64), np.array(end, dtype=np.int64), memory, peak, oom,
-                     next(env._eid))
+                           f"{graph.labels[first]} on worker {worker_of[first]}")
+    # one event per compute node and one per collective: every node ran, so each was scheduled once
+    events = streams.count(compute) + len(graph.collectives)
+    return Execution(np.array(start, dtype=np.int64), ends, memory, np.array(peak, dtype=float), oom, events)

@@ -182,7 +182,7 @@ def trace_tree() -> dict:
 
 
 def test_the_documents_the_fuzz_starts_from_are_valid(tmp_path):
-    from dflop.config_check import check_run_config
+    from dflop.jobs.setup import check_run_config
     from dflop.specs.loading import from_mapping
     from dflop.specs.plan_file import load_plan
     from dflop.specs.run import RunConfig
@@ -405,13 +405,14 @@ STEP = {"solver": "lpt", "batch": {"id": ["a", "b", "c", "d"], "modality": ["tex
 def resume_folder(folder: Path, plan=TINY["plan"], steps=(STEP,)) -> Path:
     """A folder as a run of TINY leaves it (its record, run.json), with ``plan`` as its plan file and
     ``steps`` as its saved schedules."""
-    from dflop import job
-    from dflop.torch_run import RUN_FILE, _plain, _record
+    from dflop.jobs.resume import RUN_FILE, plain, run_record
+    from dflop.jobs.setup import setup
 
     config = folder / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
-    s = job.setup(config, backend="torch", log=lambda _: None)
-    (folder / RUN_FILE).write_text(json.dumps({**_record(s, TINY["steps"]), "plans": {"dflop": _plain(s.config.plan)}}))
+    s = setup(config, backend="torch", log=lambda _: None)
+    record = {**run_record(s, TINY["steps"]), "plans": {"dflop": plain(s.config.plan)}}
+    (folder / RUN_FILE).write_text(json.dumps(record))
     (folder / "dflop.plan.yaml").write_text(yaml.safe_dump(plan))
     (folder / "schedules" / "dflop").mkdir(parents=True)
     for i, step in enumerate(steps):
@@ -450,14 +451,15 @@ def test_bad_resume_folders_are_refused_before_any_process_starts(tmp_path):
 
 
 def test_a_saved_arm_reads_back_as_it_was_written(tmp_path):
-    from dflop import job
-    from dflop.torch_run import _load_arm, plan_arms
+    from dflop.jobs.resume import load_arm
+    from dflop.jobs.setup import setup
+    from dflop.jobs.train import plan_arms
 
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
-    s = job.setup(config, backend="torch", log=lambda _: None)
+    s = setup(config, backend="torch", log=lambda _: None)
     saved = plan_arms(s, 2, tmp_path, None, lambda _: None)[0]
-    loaded = _load_arm("dflop", tmp_path, s)
+    loaded = load_arm("dflop", tmp_path, s)
     assert loaded.plan == saved.plan and loaded.solver == saved.solver and len(loaded.steps) == 2
     for a, b in zip(saved.steps, loaded.steps):
         assert a.batch.columns() == b.batch.columns() and a.assignment.tolist() == b.assignment.tolist()

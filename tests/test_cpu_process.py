@@ -1,12 +1,12 @@
-"""A CPU rank's process keeps the memory it frees (see dflop.cpu_process): checked on the resident size
-of a fresh process, since the setting is the process's for good."""
+"""A CPU rank's process keeps the memory it frees (see dflop.backends.torch_runtime.cpu_process):
+checked on the resident size of a fresh process, since the setting is the process's for good."""
 
 import subprocess
 import sys
 
 PROBE = """
 import os, sys, torch
-from dflop.cpu_process import set_up_cpu_process
+from dflop.backends.torch_runtime.cpu_process import set_up_cpu_process
 kept = set_up_cpu_process() if sys.argv[1] == "set-up" else False
 page = os.sysconf("SC_PAGE_SIZE")
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page

@@ -19,7 +19,7 @@ from hypothesis import assume, given, strategies as st
 
 from cli_helpers import assert_one_line_error, dflop, dflop_json
 from dflop.errors import DflopError
-from dflop.export import export_plan
+from dflop.jobs.export import export_plan
 from dflop.specs import presets
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.loading import save_spec

@@ -48,10 +48,13 @@ import pytest
 import yaml
 
 # ---- the entry points (the one place to change when they move) -------------------------------
-from dflop import job
 from dflop.backends import ScheduledBatch, get_backend
 from dflop.cost import AnalyticalCostModel, StageSpec, System, WorkShape
 from dflop.cost.select import prediction_error, select_cost_model
+from dflop.jobs import optimize as jobs_optimize
+from dflop.jobs import run as jobs_run
+from dflop.jobs import setup as jobs_setup
+from dflop.jobs import steps as jobs_steps
 from dflop.plan.evaluate import PlanningProblem
 from dflop.plan.search import optimize
 from dflop.program.evaluate import evaluate
@@ -234,7 +237,7 @@ def run_sim() -> dict[str, Any]:
         config = embedded_config("sim", Path(tmp), **{"cluster.nodes": 1, "cluster.gpus_per_node": 4,
                                                       "training.global_batch": 16, "data.samples": 2000,
                                                       "scheduler.solver": "lpt"})
-        r = job.run(job.setup(config, log=quiet), steps=3, out=Path(tmp) / "out", log=quiet)
+        r = jobs_run.run(jobs_setup.setup(config, log=quiet), steps=3, out=Path(tmp) / "out", log=quiet)
     arm = ("step_time_s", "throughput_samples_per_s", "bubble_fraction", "idle_fraction", "idle_by_module",
            "utilisation", "mfu", "hfu", "peak_memory_gib", "oom_events")
     return plain({"plan": r["plan"], "batching": r["batching"], **{k: r[k] for k in arm},
@@ -248,12 +251,12 @@ def torch_prediction_figures() -> dict[str, Any]:
     the strongest baseline's with its rule) and the prediction of each one's steps."""
     with tempfile.TemporaryDirectory(prefix="dflop-frozen-") as tmp:
         config = embedded_config("torch", Path(tmp), **{"scheduler.solver": "lpt"})
-        s = job.setup(config, backend="torch", log=quiet)
-    result = job.optimize(s)
+        s = jobs_setup.setup(config, backend="torch", log=quiet)
+    result = jobs_optimize.optimize(s)
     out = {"cost_model": s.system.cost.name}
     for name, e in (("dflop", result.best), ("baseline", result.strongest.best)):
         runner = StepRunner(e.plan, s.system)
-        steps, _ = job.schedule_steps(s, runner, steps=s.config.steps, solver="lpt", batching=e.batching)
+        steps, _ = jobs_steps.schedule_steps(s, runner, steps=s.config.steps, solver="lpt", batching=e.batching)
         out[name] = {"plan": plan_figures(e.plan), "batching": str(e.batching),
                      "expected_step_time_s": e.mean, "predicted_step_time_s": torch_prediction(runner, steps)}
     return plain(out)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dflop.cost import AnalyticalCostModel, System
-from dflop.experiments import correction_study, inflate
+from dflop.jobs.experiments import correction_study, inflate
 from dflop.program.evaluate import evaluate
 from dflop.program.steps import StepRunner
 from dflop.schedule.slots import ORDERS, slot_bins

@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -7,6 +8,7 @@ from hypothesis import strategies as st
 from dflop.errors import PlanError, SpecError
 from dflop.specs import (ClusterSpec, HardwareSpec, LLMSpec, ModulePlan, Plan, TrainingSpec,
                          from_mapping, llm_from_hf_config, load_spec, presets, save_spec, to_mapping)
+from dflop.specs.plan import Module, place
 from dflop.specs.run import RunConfig, load_run_config
 
 # Published architecture numbers (public config.json files), DESIGN.md's list.
@@ -196,3 +198,22 @@ def test_embedded_default_run_config():
     assert config.model.name == "siglip-so400m+qwen2.5-7b"
     assert config.cluster.gpus == 32 and config.cluster.hardware.name.startswith("H100")
     assert config.data.preset == "llava-ov"
+
+
+@given(plans, st.sampled_from([0, 1, 2, 3]))
+def test_strategy_facts_agree_with_the_stages_and_the_gpu_map(plan, zero):
+    """Each ZeRO stage shards what the one below shards and more, exactly one gradient-reduction
+    pattern holds, and the rank said to carry the encoder is the one whose GPUs ``place`` gives it."""
+    s = replace(plan, zero=zero).strategy
+    assert s.shards_optimizer >= s.shards_gradients >= s.shards_parameters
+    assert s.shards_optimizer == (zero >= 1) and s.shards_parameters == (zero == 3)
+    assert [s.reduces_once_per_step, s.reduces_every_backward, s.shards_parameters].count(True) == 1
+    assert s.runs_as_fsdp2 == s.shards_gradients and s.reshards_after_forward == s.shards_parameters
+    gpus = place(plan)
+    for rank in range(plan.llm.pp):
+        shares = any(gpus.groups.get((Module.ENCODER, 0, r)) == gpus.gpus(Module.LLM, rank, r)
+                     for r in range(plan.llm.dp))
+        assert s.carries_encoder(Module.LLM, (rank,)) == shares
+        assert s.modules_of(Module.LLM, (rank,)) == ((Module.LLM, Module.ENCODER) if shares else (Module.LLM,))
+    assert not s.carries_encoder(Module.ENCODER, (0,))
+    assert s.mesh_owner(Module.ENCODER) == (Module.LLM if plan.colocated else Module.ENCODER)

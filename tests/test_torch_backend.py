@@ -17,7 +17,7 @@ from dflop.cost.select import select_cost_model
 from dflop.errors import DflopError
 from dflop.program.steps import StepRunner
 from dflop.schedule.step import plan_costs, schedule_batch
-from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, presets
+from dflop.specs import ClusterSpec, ModulePlan, Plan, Strategy, TrainingSpec, presets
 from dflop.workload.sample import SampleTable
 
 MODEL = presets.model("tiny-vit", "tiny-llm")
@@ -219,7 +219,7 @@ def test_out_of_memory_names_the_rank_the_node_and_the_microbatch_shape(small_sa
     batch = small_samples.take(np.arange(6))
     assignment = np.array([0, 1, 0, 1, 0, 1])
     graph = lower(build_template(plan))
-    worker = Worker(0, RankLayout(3, 0, 0, ((3,),)), {}, None, None, torch.device("cpu"), 0, 64, 1024, 1)
+    worker = Worker(0, RankLayout(3, 0, 0, ((3,),)), {}, None, None, torch.device("cpu"), 0, 64, 1024, Strategy(zero=1))
     run = StepRun(worker, graph, StepData(plan, batch, assignment), 5, Clock(torch.device("cpu")))
     n = graph.labels.index("0F1")
     err = run.failure(n, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))

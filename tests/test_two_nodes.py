@@ -30,15 +30,15 @@ from media_files import image, turns
 
 import dflop
 import dflop.backends
-from dflop import job
 from dflop.backends.base import ScheduledBatch
 from dflop.backends.torch_runtime.backend import TorchBackend, check_launch
 from dflop.backends.torch_runtime.progress import read_progress
 from dflop.backends.torch_runtime.worker import TorchOptions
 from dflop.errors import DflopError
+from dflop.jobs import setup as jobs_setup
 from dflop.program.steps import StepRunner
 from dflop.specs import ClusterSpec, presets
-from dflop.specs.plan import Module, place
+from dflop.specs.plan import Module, Strategy, place
 from dflop.specs.plan_file import load_plan
 from dflop.workload.sample import SampleTable
 
@@ -157,7 +157,7 @@ def test_two_nodes_end_with_the_parameters_of_one_launch(config, tmp_path):
     assert report["gpus"] == 4 and report["steps"] == 2
 
     two_nodes = checkpoint_parameters(out / "checkpoints" / "dflop" / "step-000002", tmp_path)
-    s = job.setup(path, backend="torch", log=lambda *_: None)
+    s = jobs_setup.setup(path, backend="torch", log=lambda *_: None)
     spec = s.config.execution
     options = TorchOptions(**{f.name: getattr(spec, f.name) for f in fields(spec)}, seed=s.config.seed)
     plan = load_plan(out / "dflop.plan.yaml").plan
@@ -275,7 +275,7 @@ def test_a_failed_exchange_names_the_peer_rank_and_its_planned_node():
     template = build_template(plan)
     graph = lower(template)
     layout = RankLayout.of(build_workers(template), 0)
-    worker = Worker(layout.worker, layout, {}, None, None, torch.device("cpu"), 0, 64, 1024, 1)
+    worker = Worker(layout.worker, layout, {}, None, None, torch.device("cpu"), 0, 64, 1024, Strategy(zero=1))
     batch = SampleTable.build([f"t{i}" for i in range(8)], [0] * 8, [0] * 8, [16] * 8, [0] * 8)
     run = StepRun(worker, graph, StepData(plan, batch, np.arange(8) % 4), 3, Clock(torch.device("cpu")),
                   gpus_per_node=2)

@@ -29,7 +29,7 @@ from dflop.errors import DflopError
 from dflop.specs.execution import ExecutionSpec
 from dflop.models.parallel import shard_unit, split_blocks
 from dflop.program.stepgraph import Worker
-from dflop.specs.plan import Module, Plan, place
+from dflop.specs.plan import Module, Plan, Strategy, place
 
 BUCKET_BYTES = 25 * 2**20
 """Gradient bucket size, as DDP's default."""
@@ -91,13 +91,13 @@ class Groups:
             self.meshes[Module.ENCODER] = _mesh(self.plan, Module.ENCODER, self.device)
 
     def mesh_of(self, module: Module):  # noqa: ANN201 - DeviceMesh
-        return self.meshes[Module.LLM if self.plan.colocated else module]
+        return self.meshes[self.plan.strategy.mesh_owner(module)]
 
     def fsdp_mesh(self, module: Module, shards: int):  # noqa: ANN201 - DeviceMesh
         """The data-parallel mesh FSDP2 shards over: ``dp``; with HSDP ``dp`` unflattened into
         (replicate, shard), ``shards`` consecutive replicas (one node's: ``place`` puts a stage's
         replicas side by side) sharding and the nodes replicating. Made once per mesh (collective)."""
-        owner = Module.LLM if self.plan.colocated else module
+        owner = self.plan.strategy.mesh_owner(module)
         mesh = self.meshes[owner]
         dp = mesh["dp"].size()
         if not self.plan.hsdp or shards >= dp:
@@ -171,11 +171,11 @@ def adamw_options(spec: ExecutionSpec) -> dict[str, float]:
     return {"lr": spec.lr, "weight_decay": spec.weight_decay, "eps": spec.adam_eps}
 
 
-def make_optimizer(params: list[nn.Parameter], zero: int, dp_group, spec: ExecutionSpec,  # noqa: ANN001
+def make_optimizer(params: list[nn.Parameter], strategy: Strategy, dp_group, spec: ExecutionSpec,  # noqa: ANN001
                    ) -> torch.optim.Optimizer:
     """AdamW; with ZeRO-1 its state sharded over data parallelism (torch's ZeroRedundancyOptimizer);
     with ZeRO-2/3 FSDP2 has sharded the parameters, and with them the state."""
-    if zero == 1 and dist.get_world_size(dp_group) > 1:
+    if strategy.optimizer_shards_itself and dist.get_world_size(dp_group) > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_group,

@@ -34,7 +34,7 @@ from dflop.errors import DflopError
 from dflop.models.llm import pack
 from dflop.program.actions import Kind
 from dflop.program.stepgraph import Node, StepGraph
-from dflop.specs.plan import Module
+from dflop.specs.plan import Module, Strategy
 
 from dflop.backends.torch_runtime.model import Sequence, pack_sequence, sample_inputs
 from dflop.backends.torch_runtime.parallel import RankLayout, all_reduce_grads
@@ -92,7 +92,7 @@ class Worker:
     seed: int
     image_size: int
     vocab: int
-    zero: int
+    strategy: Strategy
 
     def parameters(self) -> list[nn.Parameter]:
         mods = list(self.stages.values()) + ([self.colocated_encoder] if self.colocated_encoder is not None else [])
@@ -200,7 +200,7 @@ class StepRun:
         node, layout = self.graph.nodes[n], self.w.layout
         if node.kind.is_send:
             return layout.send_to(node.peer)
-        if node.kind is Kind.REDUCE_GRAD and self.w.zero < 2:
+        if node.kind is Kind.REDUCE_GRAD and not self.w.strategy.runs_as_fsdp2:
             return [r for r in dist.get_process_group_ranks(self.w.dp_group) if r != layout.rank]
         waiting = [n] if node.kind.is_recv else [d for d in self.graph.inputs[n] if d in self.recv_marks][:1]
         return [layout.recv_from(self.graph.nodes[d].peer) for d in waiting]
@@ -365,8 +365,9 @@ class StepRun:
         """The bin's image tokens, in bin order: encoded here (colocated) or brought by the bridge."""
         if self.w.colocated_encoder is not None:
             enc_rows = rows[self.data.batch.tiles[rows] > 0]
-            if not len(enc_rows) and self.w.zero < 2:  # no images: nothing to encode (with FSDP every
-                return None, []                         # replica still runs it: its gathers are collective)
+            # no images: nothing to encode (with FSDP every replica still runs it: its gathers are collective)
+            if not len(enc_rows) and not self.w.strategy.runs_as_fsdp2:
+                return None, []
             pixels, _ = self.inputs_of(enc_rows, pixels=True)
             return self.w.colocated_encoder(pixels, self.data.tiles(enc_rows), self.data.image_tokens(enc_rows)), []
         total = int(self.data.batch.image_tokens[rows].sum())
@@ -466,7 +467,7 @@ class StepRun:
         updates its shard and broadcasts). ZeRO-2 has one after every backward, and ZeRO-3 none:
         both run as FSDP2, which reduce-scatters each unit's gradients in its own backward hooks
         as that backward produces them, so the node only marks where the plan expects it."""
-        if self.w.zero < 2:
+        if not self.w.strategy.runs_as_fsdp2:
             all_reduce_grads(self.w.parameters(), self.w.dp_group)
 
     def sharded(self, n: int, node: Node) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dflop.cpu_process import set_up_cpu_process
+from dflop.backends.torch_runtime.cpu_process import set_up_cpu_process
 from dflop.program.dpcomm import shard_degree
 from dflop.program.routing import step_routes
 from dflop.program.schedules import splits_backward
@@ -91,7 +91,7 @@ def _stage_modules(plan: Plan, model: MLLMSpec, template: Template, worker: int,
     for s in w.stages:
         stages[s + offset] = build_stage(model, w.module, s, layers, seed).to(device=device, dtype=dtype)
     encoder = None
-    if plan.colocated and w.module is Module.LLM and 0 in w.stages:
+    if plan.strategy.carries_encoder(w.module, w.stages):
         encoder = build_stage(model, Module.ENCODER, 0, (model.encoder.layers,), seed).to(device=device, dtype=dtype)
     return stages, encoder
 
@@ -130,11 +130,12 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[Worker, G
     for module in list(stages.values()) + ([encoder] if encoder is not None else []):
         tensor_parallel(module, tp_mesh, mp.tp)
         module.run_block = block_runner(plan.recompute, splits_backward(plan.schedule))
-        if plan.zero >= 2 and mp.dp > 1:  # ZeRO-2 keeps the gathered weights from forward to backward
-            fully_shard_stage(module, groups.fsdp_mesh(gw.module, shards), reshard_after_forward=plan.zero == 3)
+        if plan.strategy.runs_as_fsdp2 and mp.dp > 1:
+            fully_shard_stage(module, groups.fsdp_mesh(gw.module, shards),
+                              reshard_after_forward=plan.strategy.reshards_after_forward)
     worker = Worker(layout.worker, layout, stages, encoder, dp_mesh.get_group(), device, opts.seed,
-                    model.encoder.image_size, model.llm.vocab, plan.zero)
-    optimizer = make_optimizer(worker.parameters(), plan.zero, worker.dp_group, opts)
+                    model.encoder.image_size, model.llm.vocab, plan.strategy)
+    optimizer = make_optimizer(worker.parameters(), plan.strategy, worker.dp_group, opts)
     info = {"tied": tied, "gw": gw, "dtype": dtype}
     return worker, groups, template, optimizer, info
 

@@ -354,17 +354,19 @@ def baseline_lines(r: dict[str, Any]) -> list[str]:
 def optimize(config: Path | None, gpus: int | None, nodes: int | None, error: float | None, out: Path,
              as_json: bool) -> None:
     """Choose tensor/pipeline/data parallelism for the encoder and the LLM."""
-    from dflop import job
     from dflop.cli.progress import progress_bar
     from dflop.cost.select import prediction_error
+    from dflop.jobs.optimize import optimize as optimize_
+    from dflop.jobs.report import optimize_json
+    from dflop.jobs.setup import setup
     from dflop.specs.plan_file import save_plan
 
-    s = job.setup(config, gpus=gpus, nodes=nodes)
+    s = setup(config, gpus=gpus, nodes=nodes)
     with progress_bar() as progress:
-        result = job.optimize(s, progress=progress, noise=error)
+        result = optimize_(s, progress=progress, noise=error)
     save_plan(result.best.plan, out, s.system.cluster)
     source = prediction_error(s.system.cost)[1] if error is None else "given with --prediction-error"
-    data = {**job.optimize_json(result, s.system.hardware.usable_memory_bytes, source), "out": str(out)}
+    data = {**optimize_json(result, s.system.hardware.usable_memory_bytes, source), "out": str(out)}
 
     def human(r: dict[str, Any]) -> str:
         p = r["plan"]
@@ -447,20 +449,22 @@ def schedule(items: Path, bins: int, solver: str, time_limit: float, as_json: bo
 def simulate(config: Path | None, plan_path: Path | None, gpus: int | None, nodes: int | None,
              schedule_name: str | None, steps: int | None, out: Path, as_json: bool) -> None:
     """Simulate a plan on the workload; write the trace and the timeline."""
-    from dflop import job
+    from dflop.jobs.report import gpu_note, plan_summary, step_fields
+    from dflop.jobs.setup import setup
+    from dflop.jobs.simulate import pick_plan, simulate as simulate_
     from dflop.viz.timeline import plot_timeline
 
-    s = job.setup(config, gpus=gpus, nodes=nodes, plan_file=plan_file(plan_path))
-    plan = job.pick_plan(s, schedule_name)
+    s = setup(config, gpus=gpus, nodes=nodes, plan_file=plan_file(plan_path))
+    plan = pick_plan(s, schedule_name)
     ensure_writable_folder(out, "output")
-    sim, info = job.simulate(s, plan, steps=steps or s.config.steps, solver=s.config.scheduler.solver, out=out,
-                             name="simulate")
+    sim, info = simulate_(s, plan, steps=steps or s.config.steps, solver=s.config.scheduler.solver, out=out,
+                          name="simulate")
     timeline = plot_timeline(sim.trace, out / "timeline.png")
     from dflop.plan.report import implausible
 
-    data = {"plan": job.plan_summary(plan), **job.step_fields(sim, s.system.training.global_batch),
+    data = {"plan": plan_summary(plan), **step_fields(sim, s.system.training.global_batch),
             "steps": sim.metrics.steps, "gpus": s.system.cluster.gpus, "plan_gpus": plan.gpus,
-            "note": job.gpu_note(plan, s.system.cluster.gpus), "cost_model": s.system.cost.name,
+            "note": gpu_note(plan, s.system.cluster.gpus), "cost_model": s.system.cost.name,
             "scheduler": info["scheduler"], "oom": sim.metrics.oom[:5],
             "warnings": implausible("plan", sim.metrics.mfu, s.system.hardware),
             "artifacts": {"trace": info["trace"], "timeline": str(timeline)}}
@@ -503,22 +507,25 @@ def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | N
 
     planned = plan_file(plan_path)
     if backend.lower() == "torch":
-        from dflop import torch_run
+        from dflop.jobs import train
 
         with progress_bar() as progress:
-            data = torch_run.run(config, steps=steps, out=out, resume=resume, progress=progress,
-                                 plan_file=planned, gpus=gpus, nodes=nodes)
+            data = train.run(config, steps=steps, out=out, resume=resume, progress=progress,
+                             plan_file=planned, gpus=gpus, nodes=nodes)
         if data is not None:  # under torchrun only rank 0 reports
             emit(data, as_json, _torch_human)
         return
     if resume is not None:
         raise click.UsageError("--resume continues a torch run; add --backend torch")
-    from dflop import job
+    from dflop.backends import get_backend
+    from dflop.jobs import run as sim_run
+    from dflop.jobs.setup import setup
 
-    s = job.setup(config, gpus=gpus, nodes=nodes, plan_file=planned)
+    s = setup(config, gpus=gpus, nodes=nodes, plan_file=planned)
     ensure_writable_folder(out, "output")
     with progress_bar() as progress:
-        data = job.run(s, steps=steps or s.config.steps, out=out, progress=progress, noise=error)
+        data = sim_run.run(s, steps=steps or s.config.steps, out=out, progress=progress, noise=error,
+                           backend=get_backend(backend))
 
     def human(r: dict[str, Any]) -> str:
         b, d = r["baseline"], r["decomposition"] or {}
@@ -617,8 +624,8 @@ def plot_timeline(trace: Path, out: Path, compare: Path | None, step: int | str 
 @json_option
 def export(plan_path: Path, target: str, config: Path | None, global_batch: int | None, as_json: bool) -> None:
     """Write a plan as another framework's launch arguments; say what that framework cannot express."""
-    from dflop.config_check import check_plan, load_config
-    from dflop.export import export_plan
+    from dflop.jobs.export import export_plan
+    from dflop.jobs.setup import check_plan, load_config
     from dflop.specs.hardware import ClusterSpec
 
     planned = plan_file(plan_path)

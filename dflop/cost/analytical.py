@@ -33,7 +33,7 @@ from dflop.cost.comm import ring_allreduce_time
 from dflop.cost.protocol import StageCost, StageSpec, WorkShape
 from dflop.specs.hardware import HardwareSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
-from dflop.specs.plan import Recompute
+from dflop.specs.plan import Module, Recompute
 
 ATTENTION_BACKWARD_FACTOR = 2.5
 UNCALIBRATED_ERROR = 0.2
@@ -64,7 +64,7 @@ class AnalyticalCostModel:
 
     def tp_comm(self, stage: StageSpec, shape: WorkShape) -> np.ndarray:
         """Seconds of tensor-parallel communication in one direction (forward or backward) of a stage."""
-        if stage.module == "encoder":
+        if stage.module == Module.ENCODER:
             elements = np.asarray(shape.tiles, dtype=float) * self.model.encoder.patches_per_tile * \
                 self.model.encoder.hidden
         else:
@@ -105,7 +105,7 @@ class AnalyticalCostModel:
         return None
 
     def stage_cost(self, stage: StageSpec, shape: WorkShape) -> StageCost:
-        if stage.module == "encoder":
+        if stage.module == Module.ENCODER:
             return self._encoder(stage, shape)
         return self._llm(stage, shape)
 

@@ -4,7 +4,7 @@ The scheduler balances bins from predicted per-sample costs; the world runs
 them at costs that differ per sample. ``perturb`` gives the batch as the world
 costs it: every sample's shapes (tiles, text and image tokens) scaled by its
 own multiplicative lognormal factor of mean 1 and log-spread ``sigma``, as
-``dflop.experiments.inflate`` scales whole modalities. Schedules are made from
+``dflop.jobs.experiments.inflate`` scales whole modalities. Schedules are made from
 the batch as seen; step times are taken on the perturbed one.
 """
 

@@ -25,6 +25,7 @@ from dflop.cost import flops as F
 from dflop.cost.protocol import StageSpec
 from dflop.specs.hardware import TrainingSpec
 from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import Module, Strategy
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class StageMemory:
 
 def stage_params(model: MLLMSpec, stage: StageSpec) -> int:
     """Parameters of a stage (whole TP group)."""
-    if stage.module == "encoder":
+    if stage.module == Module.ENCODER:
         n = stage.layers * F.vit_layer_params(model.encoder)
         if stage.first:
             n += F.vit_embedding_params(model.encoder)
@@ -82,18 +83,19 @@ def state_bytes(params: float, tp: int, dp: int, zero: int, training: TrainingSp
     weights = per_gpu * training.weight_bytes
     grads = per_gpu * gb
     optimizer = per_gpu * training.optimizer_bytes
-    if zero >= 1:
+    strategy = Strategy(zero=zero)
+    if strategy.shards_optimizer:
         optimizer /= dp
-    if zero == 2:
+    if strategy.reduces_every_backward:  # the gradients of one bucket stay whole until reduced
         grads = grads / dp + min(training.bucket_params, params) / tp * gb
-    if zero >= 3:
+    if strategy.shards_parameters:
         weights = weights / dp + (root_params + 2 * largest_layer_params) / tp * training.weight_bytes
         grads = grads / dp + largest_layer_params / tp * gb
     return weights, grads, optimizer
 
 
 def layer_params(model: MLLMSpec, module: str) -> int:
-    return F.vit_layer_params(model.encoder) if module == "encoder" else F.llm_layer_params(model.llm)
+    return F.vit_layer_params(model.encoder) if module == Module.ENCODER else F.llm_layer_params(model.llm)
 
 
 def stage_memory(model: MLLMSpec, stage: StageSpec, *, dp: int, zero: int, training: TrainingSpec,

@@ -48,7 +48,7 @@ from dflop.cost.store import FSDP_UNIT, TPComm, tp_comm_of
 from dflop.errors import DflopError
 from dflop.specs.hardware import HardwareSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
-from dflop.specs.plan import Recompute
+from dflop.specs.plan import Module, Recompute
 
 
 def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 500) -> np.ndarray:
@@ -286,7 +286,7 @@ class ProfiledCostModel:
 
     def stage_cost(self, stage: StageSpec, shape: WorkShape) -> StageCost:
         ref = self.analytical.stage_cost(stage, shape)
-        if stage.module == "encoder":
+        if stage.module == Module.ENCODER:
             x, sq, samples = np.asarray(shape.tiles, dtype=float), None, None
             extras = (["embed"] if stage.first else []) + (["projector"] if stage.last else [])
         else:

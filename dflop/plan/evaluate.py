@@ -41,7 +41,7 @@ from dflop.schedule.problem import Partition, PartitionProblem, finish
 from dflop.schedule.step import plan_costs, schedule_batch
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
-from dflop.specs.plan import Module, Plan
+from dflop.specs.plan import Plan
 from dflop.workload.sample import SampleTable
 
 QUICK_GAP = 1e-3
@@ -261,7 +261,7 @@ class Evaluator:
         for g in plan_groups(plan):
             layers = plan.stage_layers(g.module, model)
             work = sum(self._whole_batch(StageSpec.of(g.module.value, layers, s, g.tp, rc), n) for s in g.stages)
-            if g.module is Module.LLM and plan.colocated and 0 in g.stages:
+            if plan.strategy.carries_encoder(g.module, g.stages):
                 work = work + self._whole_batch(StageSpec("encoder", model.encoder.layers, g.tp, first=True,
                                                           last=True, recompute=rc), n)
             ranks.append(work / g.replicas)

@@ -26,7 +26,7 @@ from dflop.program.dpcomm import GroupComm, fsdp_op, group_comm
 from dflop.program.schedules import canonical, splits_backward
 from dflop.program.template import plan_groups
 from dflop.schedule.batching import Batching
-from dflop.specs.plan import Plan
+from dflop.specs.plan import Module, Plan
 
 Shape = tuple[float, float, float, float, float]
 """A WorkShape's fields, hashable for the cache."""
@@ -44,7 +44,7 @@ def dp_group(plan: Plan, module: str, stage: int) -> list[int]:
     """GPUs of the data-parallel group of tensor-parallel rank 0 of a pipeline rank, as ``place``
     lays them out (encoder first, then the LLM; replicas side by side, stages apart)."""
     mp = plan.module(module)
-    base = plan.encoder.gpus if module == "llm" and not plan.colocated else 0
+    base = plan.encoder.gpus if module == Module.LLM and not plan.colocated else 0
     return [base + mp.tp * (r + mp.dp * stage) for r in range(mp.dp)]
 
 
@@ -116,12 +116,12 @@ class Screener:
         cap = (per_bin, tiles_cap, tokens_cap, tokens_cap * ev.max_tokens)
         chunk_cap = min(tiles_cap * plan.llm.dp / plan.encoder.dp + ev.max_tiles, tiles_cap * plan.llm.dp)
         memory, where = 0.0, ""
-        for module, local, specs, state, held in ranks:
+        for module, local, stages, specs, state, held in ranks:
             acts, transient = [], 0.0
-            for spec in specs:
-                c = self._stage(spec, (1, chunk_cap, 0, 0) if module == "encoder" else cap)
+            for s, spec in zip(stages, specs):
+                c = self._stage(spec, (1, chunk_cap, 0, 0) if module == Module.ENCODER else cap)
                 a, t = c[3], c[4]
-                if module == "llm" and plan.colocated and spec.first:
+                if plan.strategy.carries_encoder(module, (s,)):
                     enc = StageSpec("encoder", model.encoder.layers, spec.tp, first=True, last=True,
                                     recompute=plan.recompute)
                     e = self._stage(enc, (per_bin, tiles_cap, 0, 0))
@@ -152,11 +152,11 @@ class Screener:
             module, local, stages, tp = group.module.value, group.rank, group.stages, group.tp
             specs = [StageSpec.of(module, layers[module], s, tp, plan.recompute) for s in stages]
             f = i = w = 0.0
-            for spec in specs:
-                t = self._stage(spec, (1, chunk_avg, 0, 0, 0) if module == "encoder" else avg)
-                if module == "llm":
+            for s, spec in zip(stages, specs):
+                t = self._stage(spec, (1, chunk_avg, 0, 0, 0) if module == Module.ENCODER else avg)
+                if module == Module.LLM:
                     parts["llm"] = t
-                    if colocated and spec.first:
+                    if plan.strategy.carries_encoder(module, (s,)):
                         enc = StageSpec("encoder", model.encoder.layers, tp, first=True, last=True,
                                         recompute=plan.recompute)
                         parts["encoder"] = self._stage(enc, (per_bin, avg[1], 0, 0, 0))
@@ -167,7 +167,7 @@ class Screener:
             rank_i.append(i)
             rank_w.append(w)
             params, state = self._group_state(plan, layers, module, stages, tp)
-            out.append((module, local, specs, state, held[group.index]))
+            out.append((module, local, stages, specs, state, held[group.index]))
             comm = self._group_comm(plan, module, local, stages, params)
             if comm is not None:
                 rank_time[-1] += self._exposed(plan, comm, parts, i + w) / plan.microbatches
@@ -194,6 +194,6 @@ class Screener:
             return m * comm.reduce
         total = comm.reduce + comm.gather
         tail = float(bucket_lag(backward, total, comm.buckets)) + total - backward
-        if plan.zero == 2:  # every microbatch reduce-scatters beside its backward
+        if plan.strategy.reduces_every_backward:  # every microbatch reduce-scatters beside its backward
             tail += (m - 1) * max(0.0, comm.reduce - backward)
         return max(tail, 0.0)

@@ -108,9 +108,9 @@ def prove_dominated(space: Space, plan: Plan) -> str:
     if plan.zero == 0 and 1 in space.zero:
         return ("ZeRO-1's reduce-scatter plus weight all-gather moves no more than DDP's all-reduce "
                 "(weights are no wider than gradients) and shards the optimizer")
-    if plan.zero == 0 and 2 in space.zero and plan.microbatches == 1 and plan.colocated and plan.llm.pp == 1:
+    if plan.zero == 0 and 2 in space.zero and plan.microbatches == 1 and plan.strategy.single_stage:
         return "with one microbatch ZeRO-2 moves what DDP moves and shards gradients and optimizer"
-    if plan.zero == 1 and 2 in space.zero and plan.microbatches == 1 and plan.colocated and plan.llm.pp == 1:
+    if plan.zero == 1 and 2 in space.zero and plan.microbatches == 1 and plan.strategy.single_stage:
         return "with one microbatch ZeRO-2 moves what ZeRO-1 moves and shards gradients too"
     return ""
 
@@ -118,12 +118,12 @@ def prove_dominated(space: Space, plan: Plan) -> str:
 def variants(space: Space, base: Plan, recompute: tuple[Recompute, ...]) -> list[list[Plan]]:
     """The memory options of ``base`` worth evaluating: one list per (ZeRO, HSDP, gradient width),
     each its recomputation options from the least (fastest) to the most (smallest)."""
-    single = base.colocated and base.llm.pp == 1
     out = []
     for zero in space.zero:
-        if zero >= 2 and not single:
+        strategy = replace(base.strategy, zero=zero)
+        if not strategy.zero_fits_layout:
             continue
-        for hsdp in ((False, True) if zero == 3 and space.hsdp else (False,)):
+        for hsdp in ((False, True) if strategy.shards_parameters and space.hsdp else (False,)):
             for fp32 in space.fp32_grads:
                 plan = replace(base, zero=zero, hsdp=hsdp, fp32_grads=fp32)
                 if not prove_dominated(space, plan):

@@ -19,7 +19,7 @@ one-process-per-core ranks do (a rank alone on the machine runs faster than one
 beside a busy peer, so a profile of one process would price the backend's steps
 short). Each record says how many processes measured it.
 On CPU every process is set up as the backend's ranks are
-(``dflop.cpu_process``): ``CPU_THREADS`` torch threads whatever the environment
+(``dflop.backends.torch_runtime.cpu_process``): ``CPU_THREADS`` torch threads whatever the environment
 says (threads that outnumber the cores wait on each other erratically), and
 freed memory kept in the process rather than handed back to the system and
 faulted in again on the next repeat. Records say both.
@@ -74,7 +74,7 @@ import torch.nn.functional as F
 
 from dflop.cost.profiled import off_their_neighbours
 from dflop.cost.store import FSDP_UNIT, ProfileStore, TPComm, architecture, record_key, tp_comm_of
-from dflop.cpu_process import set_up_cpu_process
+from dflop.backends.torch_runtime.cpu_process import set_up_cpu_process
 from dflop.errors import DflopError
 from dflop.models.llm import DecoderBlock, RMSNorm, pack, shard, wide
 from dflop.models.parallel import shard_unit, split_blocks
@@ -581,7 +581,7 @@ def _set_up(device: str, threads: int | None) -> bool:
 @contextmanager
 def _as_a_rank(device: str, threads: int | None) -> Iterator[bool]:
     """``_set_up`` with the thread count restored when the block ends (the profiler may run inside a
-    longer-lived process; the memory setting stays, see ``dflop.cpu_process``)."""
+    longer-lived process; the memory setting stays, see ``dflop.backends.torch_runtime.cpu_process``)."""
     before = torch.get_num_threads()
     try:
         yield _set_up(device, threads)

@@ -46,9 +46,9 @@ def group_collectives(template: Template) -> tuple[CollectiveSpec, ...]:
         if g.replicas < 2:
             continue
         ops = [op for op in template.ops if op.group == g.index]
-        if plan.zero <= 1:
+        if plan.strategy.reduces_once_per_step:
             out.append(CollectiveSpec(Kind.REDUCE_GRAD, g.index, ops[-1].index, True))
-        elif plan.zero == 2:
+        elif plan.strategy.reduces_every_backward:
             weights = [op for op in ops if op.action.kind in (Kind.B, Kind.W)]
             out.extend(CollectiveSpec(Kind.REDUCE_GRAD, g.index, op.index, op is weights[-1]) for op in weights)
         else:

@@ -27,7 +27,7 @@ from dflop.program.routing import encoder_replicas
 from dflop.program.template import Template
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
-from dflop.specs.plan import Plan, place
+from dflop.specs.plan import Module, Plan, Strategy, place
 from dflop.workload.sample import SampleTable
 
 __all__ = ["NS", "to_ns", "StepTiming", "StepBuilder", "bin_shapes", "group_state",
@@ -100,10 +100,10 @@ def bin_shapes(batch: SampleTable, assignment: np.ndarray, replicas: int, microb
 
 
 def stage_param_count(model: MLLMSpec, layers: tuple[int, ...], module: str, stage: int,
-                      colocated: bool) -> float:
+                      strategy: Strategy) -> float:
     """Parameters of a module-local stage; a colocated LLM stage 0 also holds the encoder."""
     n = stage_params(model, StageSpec.of(module, layers, stage, 1))
-    if module == "llm" and stage == 0 and colocated:
+    if strategy.carries_encoder(module, (stage,)):
         n += stage_params(model, StageSpec("encoder", model.encoder.layers, 1, first=True, last=True))
     return float(n)
 
@@ -111,16 +111,15 @@ def stage_param_count(model: MLLMSpec, layers: tuple[int, ...], module: str, sta
 def group_state(plan: Plan, model: MLLMSpec, training: TrainingSpec, layers: dict[str, tuple[int, ...]],
                 module: str, stages: tuple[int, ...], tp: int, per_node: int) -> tuple[float, float]:
     """(parameters, model-state bytes per GPU) of one pipeline rank holding ``stages``."""
-    colocated = plan.colocated
-    params = sum(stage_param_count(model, layers[module], module, s, colocated) for s in stages)
+    strategy = plan.strategy
+    params = sum(stage_param_count(model, layers[module], module, s, strategy) for s in stages)
     held = sum(layers[module][s] for s in stages) * layer_params(model, module)
-    modules = [module]
-    if module == "llm" and colocated and 0 in stages:
-        modules.append("encoder")
+    modules = strategy.modules_of(module, stages)
+    if strategy.carries_encoder(module, stages):
         held += model.encoder.layers * layer_params(model, "encoder")
     largest = max(layer_params(model, m) for m in modules)
     dp = plan.module(module).dp
-    shards = shard_degree(plan, per_node, dp, tp) if plan.zero == 3 else dp
+    shards = shard_degree(plan, per_node, dp, tp) if strategy.shards_parameters else dp
     return params, float(sum(state_bytes(params, tp, shards, plan.zero, training, largest,
                                          fp32_grads=plan.fp32_grads, root_params=params - held)))
 
@@ -216,10 +215,10 @@ class _Costing:
         """Cost of a module-local stage on every (replica, microbatch), by module (a colocated LLM
         stage 0 also runs the encoder)."""
         b = self.b
-        if module == "encoder":
+        if module == Module.ENCODER:
             return {"encoder": b.cost.stage_cost(b.stage_spec("encoder", stage, tp), self.enc_shape)}
         parts = {"llm": b.cost.stage_cost(b.stage_spec("llm", stage, tp), self.bins)}
-        if stage == 0 and b.t.colocated:
+        if b.plan.strategy.carries_encoder(module, (stage,)):
             enc = StageSpec("encoder", b.model.encoder.layers, tp, first=True, last=True, recompute=b.plan.recompute)
             parts["encoder"] = b.cost.stage_cost(enc, WorkShape(self.bins.samples, self.bins.tiles))
         return parts
@@ -231,14 +230,14 @@ class _Costing:
         it nothing). The runtime then runs that stage's whole backward in its W step."""
         if stage != 0:
             return False
-        if module == "encoder" or self.b.t.colocated:
+        if module == Module.ENCODER or self.b.plan.strategy.carries_encoder(module, (stage,)):
             return True
         return self.bins.tiles == 0
 
     def boundary_bytes(self, module: str) -> np.ndarray:
         """Activation (or gradient) bytes between two stages of a module, per (replica, microbatch)."""
         b = self.b.training.activation_bytes
-        if module == "encoder":
+        if module == Module.ENCODER:
             enc = self.b.model.encoder
             return self.enc_shape.tiles * enc.patches_per_tile * enc.hidden * b
         return self.bins.tokens * self.b.model.llm.hidden * b
@@ -333,7 +332,7 @@ class _Costing:
                           f["flops"], f["hw_flops"], f["overlap"], f["info"], self.b.gpus)
 
     def _info_table(self, module: str) -> dict[str, np.ndarray]:
-        if module == "encoder":
+        if module == Module.ENCODER:
             return {"samples": self.enc_shape.samples, "tiles": self.enc_shape.tiles}
         return {"samples": self.bins.samples, "tokens": self.bins.tokens, "tiles": self.bins.tiles}
 

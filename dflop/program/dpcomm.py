@@ -101,7 +101,7 @@ def rank_units(plan: Plan, model: MLLMSpec, module: str, stages: tuple[int, ...]
     (embeddings, head, projector: kind 'root'), and the colocated encoder's on the LLM's first rank."""
     layers = plan.stage_layers(module, model)
     parts = [(module, StageSpec.of(module, layers, s, 1)) for s in stages]
-    if module == "llm" and plan.colocated and 0 in stages:
+    if plan.strategy.carries_encoder(module, stages):
         parts.append(("encoder", StageSpec("encoder", model.encoder.layers, 1, first=True, last=True)))
     out: list[tuple[str, float]] = []
     for m, spec in parts:
@@ -152,16 +152,17 @@ def group_comm(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: Clu
     if d < 2:
         return None
     measured = None
-    if plan.zero >= 2 and cost is not None:
-        measured = cost.fsdp_unit(shard_degree(plan, cluster.gpus_per_node, d, tp) if plan.zero == 3 else d)
+    strategy = plan.strategy
+    if strategy.runs_as_fsdp2 and cost is not None:
+        measured = cost.fsdp_unit(shard_degree(plan, cluster.gpus_per_node, d, tp) if strategy.shards_parameters else d)
     units = rank_units(plan, model, module, stages) if measured is not None else ()
-    if plan.zero == 3:
+    if strategy.shards_parameters:
         return GroupComm(0.0, 0.0, 1, _units(plan, model, training, cluster, params, tp, dp_gpus, measured, units))
     if measured is not None:
         return GroupComm(float(sum(sum(_priced(measured, u, tp)) for u in units)), 0.0, 1, None, inline=True)
     link = collective_link(cluster, dp_gpus)
     grads = params / tp * grad_bytes(training, plan.fp32_grads)
-    if plan.zero == 0:
+    if not strategy.shards_optimizer:
         reduce, gather = float(ring_allreduce_time(grads, d, *link)), 0.0
     else:
         reduce = float(reduce_scatter_time(grads, d, *link))

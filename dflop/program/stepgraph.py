@@ -393,9 +393,10 @@ def _place_collectives(t: Template, workers: tuple[Worker, ...], nodes: list[Nod
     anchor, and the UNSHARD of each compute node that has one."""
     members: list[tuple[int, ...]] = []
     placed: list[tuple[int, int, bool]] = []  # (worker, node, before) to insert next to a compute
+    once = t.plan.strategy.reduces_once_per_step
     for c, spec in enumerate(group_collectives(t)):
         a = t.ops[spec.op].action
-        stage, microbatch = (-1, -1) if spec.kind is Kind.REDUCE_GRAD and spec.last and t.plan.zero <= 1 \
+        stage, microbatch = (-1, -1) if spec.kind is Kind.REDUCE_GRAD and spec.last and once \
             else (a.stage, a.microbatch)
         group = []
         for w in workers:

@@ -105,7 +105,7 @@ def synchronised(plan: Plan, assignment: np.ndarray, costs: np.ndarray) -> np.nd
     ``replicas`` bins are microbatch 0, and so on), each to the replica with the least so far.
     Other plans' bins are returned as they are."""
     replicas, m = plan.llm.dp, plan.microbatches
-    if plan.zero != 3 or replicas < 2:
+    if not plan.strategy.shards_parameters or replicas < 2:
         return assignment
     bins = replicas * m
     load = np.stack([np.bincount(assignment, weights=costs[:, d], minlength=bins)

@@ -111,7 +111,7 @@ def plan_costs(batch: SampleTable, plan: Plan, model: MLLMSpec, cost: CostModel)
     llm_specs = [StageSpec.of("llm", llm_layers, i, plan.llm.tp) for i in range(len(llm_layers))]
     per_sample = WorkShape.per_sample(batch)
     avg = per_sample.total(plan.bins)
-    if plan.placement == "colocated":
+    if plan.colocated:
         enc = StageSpec("encoder", model.encoder.layers, plan.llm.tp, first=True, last=True)
         first = _heaviest(cost, [llm_specs[0]], avg, per_sample) + \
             _heaviest(cost, [enc], WorkShape(avg.samples, avg.tiles), WorkShape(per_sample.samples, tiles))

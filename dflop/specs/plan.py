@@ -146,13 +146,19 @@ class Plan:
     def colocated(self) -> bool:
         return self.placement is Placement.COLOCATED
 
+    @property
+    def strategy(self) -> "Strategy":
+        """What the plan's memory and placement options mean, each fact named once."""
+        return Strategy(zero=self.zero, hsdp=self.hsdp, fp32_grads=self.fp32_grads, colocated=self.colocated,
+                        llm_pp=self.llm.pp)
+
     def module(self, name: Module) -> ModulePlan:
         return self.encoder if name == Module.ENCODER else self.llm
 
     def stages(self, name: Module) -> int:
         """Pipeline stages of a module, counting virtual stages."""
         plan = self.module(name)
-        return plan.pp * (self.virtual_stages if name == "llm" else 1)
+        return plan.pp * (self.virtual_stages if name == Module.LLM else 1)
 
     def stage_layers(self, name: Module, model: MLLMSpec) -> tuple[int, ...]:
         plan = self.module(name)
@@ -184,7 +190,7 @@ class Plan:
                        + " as plain gradient accumulation: use 1F1B with one virtual stage")
         elif name.startswith("interleaved") and self.virtual_stages == 1:
             out.append(f"{self.schedule} with one virtual stage is not interleaved: use 1F1B or ZBH1")
-        if self.zero >= 2 and not (self.colocated and self.llm.pp == 1):
+        if not self.strategy.zero_fits_layout:
             out.append(f"zero {self.zero} is modelled as FSDP and DeepSpeed run it: one colocated stage (pp 1); "
                        "with pipelining use zero 0 or 1")
         return out
@@ -241,6 +247,85 @@ class Plan:
         if problems:
             raise PlanError(f"plan [{self.describe()}] does not fit: " + "; ".join(problems))
         return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """The facts a plan's ZeRO stage and placement decide, named once for the planner, the cost
+    model, the step IR and the runtimes (in the manner of torchtitan's ``ParallelDims``)."""
+
+    zero: int = 1
+    hsdp: bool = False
+    fp32_grads: bool = False
+    colocated: bool = False
+    llm_pp: int = 1
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """ZeRO-1 and up: each data-parallel rank keeps the optimizer state of its shard only."""
+        return self.zero >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """ZeRO-2 and up: gradients are reduce-scattered as each backward makes them, not kept whole."""
+        return self.zero >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        """ZeRO-3 (FSDP): weights are sharded too, gathered just ahead of each forward and backward."""
+        return self.zero >= 3
+
+    @property
+    def runs_as_fsdp2(self) -> bool:
+        """The torch backend wraps each stage in FSDP2's ``fully_shard`` (ZeRO-2/3): its hooks reduce and
+        gather inside the ops, so the graph's collective nodes only mark where the plan expects them."""
+        return self.shards_gradients
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """ZeRO-3 frees the gathered weights after forward; ZeRO-2 keeps them for the backward."""
+        return self.shards_parameters
+
+    @property
+    def optimizer_shards_itself(self) -> bool:
+        """ZeRO-1: the optimizer shards its own state (ZeroRedundancyOptimizer, Megatron's distributed
+        optimizer); under FSDP2 the sharded parameters carry it."""
+        return self.shards_optimizer and not self.runs_as_fsdp2
+
+    @property
+    def reduces_once_per_step(self) -> bool:
+        """ZeRO-0/1: one gradient reduction per step, after the last backward (the gradients are
+        accumulated whole); it carries ZeRO-1's all-gather of the updated weights."""
+        return not self.shards_gradients
+
+    @property
+    def reduces_every_backward(self) -> bool:
+        """ZeRO-2: a reduce-scatter beside every backward and no gathers (the weights stay whole)."""
+        return self.shards_gradients and not self.shards_parameters
+
+    @property
+    def single_stage(self) -> bool:
+        """One colocated pipeline stage (pp 1): the whole model on every GPU."""
+        return self.colocated and self.llm_pp == 1
+
+    @property
+    def zero_fits_layout(self) -> bool:
+        """ZeRO-2/3 are modelled as FSDP and DeepSpeed run them: without pipelining, one colocated stage."""
+        return not self.shards_gradients or self.single_stage
+
+    def carries_encoder(self, module: Module, stages: tuple[int, ...]) -> bool:
+        """Whether the pipeline rank holding ``stages`` of ``module`` also runs the encoder: with
+        colocated placement the encoder lives inside LLM stage 0."""
+        return self.colocated and module == Module.LLM and 0 in stages
+
+    def mesh_owner(self, module: Module) -> Module:
+        """The module whose GPUs, meshes and data-parallel groups ``module`` runs on: a colocated
+        encoder runs on LLM stage 0's."""
+        return Module.LLM if self.colocated else Module(module)
+
+    def modules_of(self, module: Module, stages: tuple[int, ...]) -> tuple[Module, ...]:
+        """The modules whose layers the pipeline rank holding ``stages`` of ``module`` runs."""
+        return (Module(module), Module.ENCODER) if self.carries_encoder(module, stages) else (Module(module),)
 
 
 @dataclass(frozen=True)
