@@ -451,7 +451,7 @@ def test_bad_resume_folders_are_refused_before_any_process_starts(tmp_path):
 
 
 def test_a_saved_arm_reads_back_as_it_was_written(tmp_path):
-    from dflop.jobs.resume import load_arm
+    from dflop.jobs.resume import load_arm, read_run
     from dflop.jobs.setup import setup
     from dflop.jobs.train import plan_arms
 
@@ -459,7 +459,7 @@ def test_a_saved_arm_reads_back_as_it_was_written(tmp_path):
     config.write_text(yaml.safe_dump(TINY))
     s = setup(config, backend="torch", log=lambda _: None)
     saved = plan_arms(s, 2, tmp_path, None, lambda _: None)[0]
-    loaded = load_arm("dflop", tmp_path, s)
+    loaded = load_arm("dflop", tmp_path, s, read_run(tmp_path))
     assert loaded.plan == saved.plan and loaded.solver == saved.solver and len(loaded.steps) == 2
     for a, b in zip(saved.steps, loaded.steps):
         assert a.batch.columns() == b.batch.columns() and a.assignment.tolist() == b.assignment.tolist()

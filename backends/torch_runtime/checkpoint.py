@@ -17,7 +17,6 @@ another shape) is one line too, from the rank (torch raises ``CheckpointExceptio
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dflop.errors import DflopError
-from dflop.specs.loading import load_json
+from dflop.specs.loading import load_json, save_json
 from dflop.specs.plan import Plan
 
 META = "meta.json"
@@ -72,9 +71,7 @@ def save(folder: Path, step: int, named: dict[str, nn.Parameter], optimizer: tor
     dcp.save(state_dict(named, optimizer), checkpoint_id=str(path))
     dist.barrier()
     if dist.get_rank() == 0:
-        tmp = path / (META + ".tmp")
-        tmp.write_text(json.dumps({**meta, "step": step}))
-        tmp.replace(path / META)
+        save_json(path / META, {**meta, "step": step})
     dist.barrier()
     return path
 

@@ -23,7 +23,7 @@ from dflop.backends.torch_runtime import checkpoint
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
 from dflop.schedule.batching import Batching
-from dflop.specs.loading import load_json, shown, to_mapping
+from dflop.specs.loading import load_json, save_json, shown, to_mapping
 from dflop.specs.plan import Plan
 from dflop.specs.plan_file import PlanFile, PlannedCluster, load_plan, save_plan
 from dflop.specs.run import DEFAULTS, RunConfig
@@ -56,8 +56,8 @@ def save_arm(arm: Arm, out: Path, system: System) -> None:
     save_plan(arm.plan, out / f"{arm.name}.plan.yaml", system.cluster)
     folder = ensure_writable_folder(out / "schedules" / arm.name, "schedule")
     for i, s in enumerate(arm.steps):
-        (folder / f"step-{i:06d}.json").write_text(json.dumps({
-            "solver": arm.solver, "batch": s.batch.columns(), "assignment": [int(a) for a in s.assignment]}))
+        save_json(folder / f"step-{i:06d}.json", {
+            "solver": arm.solver, "batch": s.batch.columns(), "assignment": [int(a) for a in s.assignment]})
 
 
 def _plan_path(name: str, folder: Path) -> Path:
@@ -68,10 +68,10 @@ def _plan_path(name: str, folder: Path) -> Path:
     return plan_file
 
 
-def load_arm(name: str, folder: Path, s: Setup) -> Arm:
+def load_arm(name: str, folder: Path, s: Setup, run: dict[str, Any]) -> Arm:
     """An arm as an earlier run saved it, checked against the run's record and this run's config
-    before anything starts: its plan is the one it started with, its schedules are the run's steps."""
-    run = _read_run(folder)
+    before anything starts: its plan is the one it started with, its schedules are the run's steps.
+    ``run``: the run's record (:func:`read_run`)."""
     plan_file = _plan_path(name, folder)
     plan = load_plan(plan_file).plan
     _agree(folder, f"plans.{name}", run["plans"].get(name), plan, f"{plan_file} says")
@@ -160,7 +160,7 @@ def _agree(folder: Path, field: str, recorded: Any, current: Any, says: str) -> 
                          f"{shown(new)} (resume with what the run was made with)")
 
 
-def _read_run(folder: Path) -> dict[str, Any]:
+def read_run(folder: Path) -> dict[str, Any]:
     _plan_path("dflop", folder)
     path = folder / RUN_FILE
     if not path.exists():
@@ -175,19 +175,12 @@ def _read_run(folder: Path) -> dict[str, Any]:
     return run
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Whole or not at all: an interrupted write leaves the previous file (or none)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
-
-
 def resume_run(config: RunConfig, config_path: Path | None, folder: Path, *, steps: int | None,
             plan_file: PlanFile | None, gpus: int | None, nodes: int | None,
             log: Log) -> tuple[Setup, list[Arm]]:
     """The run in ``folder``, checked against its record: the config, ``--plan``, ``--steps``, ``--gpus``
     and ``--nodes`` (when given) agree with it, and it is not finished."""
-    run = _read_run(folder)
+    run = read_run(folder)
     if all((folder / f"{name}.result.json").exists() for name in run["plans"]):
         raise DflopError(f"{folder}: this run is finished ({run['steps']} of {run['steps']} steps); nothing to resume")
     config_name = f"the config {config_path}" if config_path else f"the default config ({DEFAULTS['torch']})"
@@ -201,7 +194,7 @@ def resume_run(config: RunConfig, config_path: Path | None, folder: Path, *, ste
             "cluster": "--gpus/--nodes say" if gpus or nodes else f"{own.path} says"}
     for key, value in run_record(s, steps or s.config.steps).items():
         _agree(folder, key, run.get(key), value, says.get(key, f"{config_name} says"))
-    arms = [load_arm(name, folder, s) for name in ARM_NAMES if name in run["plans"]]
+    arms = [load_arm(name, folder, s, run) for name in ARM_NAMES if name in run["plans"]]
     for arm in arms:  # every checkpoint checked before the first arm trains
         if arm.measured is None:
             checkpoint.resume_point(folder / "checkpoints" / arm.name, run["steps"],

@@ -40,13 +40,13 @@ from dflop.errors import DflopError, ensure_writable_folder
 from dflop.program.steps import StepRunner
 from dflop.schedule.batching import Batching
 from dflop.specs.execution import Device
+from dflop.specs.loading import save_json
 from dflop.specs.plan_file import PlanFile
 from dflop.specs.run import DEFAULTS, RunConfig
 
 from dflop.jobs.optimize import optimize
 from dflop.jobs.report import gpu_note, plan_summary, step_fields
-from dflop.jobs.resume import (ARM_NAMES, RUN_FILE, SCHEDULE, Arm, plain, resume_run, run_record, save_arm,
-                               write_json)
+from dflop.jobs.resume import ARM_NAMES, RUN_FILE, SCHEDULE, Arm, plain, resume_run, run_record, save_arm
 from dflop.jobs.setup import Log, Setup, load_config, log_to_stderr, setup
 from dflop.jobs.steps import schedule_steps
 
@@ -94,7 +94,7 @@ def plan_arms(s: Setup, steps: int, out: Path, progress: Any, log: Log) -> list[
         arm.steps, _ = schedule_steps(s, StepRunner(arm.plan, s.system), steps=steps,
                                           solver=s.config.scheduler.solver, batching=arm.batching)
         save_arm(arm, out, s.system)
-    write_json(out / RUN_FILE, {**run_record(s, steps), "plans": {arm.name: plain(arm.plan) for arm in arms}})
+    save_json(out / RUN_FILE, {**run_record(s, steps), "plans": {arm.name: plain(arm.plan) for arm in arms}})
     log("dflop: " + "; ".join(f"{a.name} [{a.plan.describe()}] ({a.solver})" for a in arms))
     note = gpu_note(arms[0].plan, s.system.cluster.gpus)
     if note:
@@ -156,7 +156,7 @@ def run(config_path: Path | None, *, steps: int | None, out: Path, resume: Path 
             result = backend.run(StepRunner(arm.plan, system), arm.steps, meta={"name": arm.name})
             if rank == 0:
                 arm.measured = _measured(result, system.training.global_batch, arm.name, folder)
-                write_json(folder / f"{arm.name}.result.json", arm.measured)
+                save_json(folder / f"{arm.name}.result.json", arm.measured)
         if rank != 0:
             return None
         return report(system, config, arms, folder, source)

@@ -13,7 +13,6 @@ stage.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -26,6 +25,7 @@ from dflop.schedule.problem import Partition, PartitionProblem
 from dflop.schedule.slots import slot_bins
 from dflop.schedule.solve import partition
 from dflop.specs import scheduling
+from dflop.specs.loading import save_json
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Plan
 from dflop.workload.sample import SampleTable
@@ -77,11 +77,7 @@ class StepSchedule:
         return cls(tuple(ids), np.array(assignment, dtype=np.int64), replicas, m, order=data.get("order", ""))
 
     def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json()))
-        tmp.replace(p)  # atomic: readers never see half a schedule
-        return p
+        return save_json(path, self.to_json())  # readers never see half a schedule
 
     def aligned(self, batch: SampleTable) -> np.ndarray:
         """The assignment in ``batch``'s row order (for schedules read back from JSON)."""

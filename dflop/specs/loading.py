@@ -184,6 +184,16 @@ def load_json(path: str | Path) -> Any:
     return parse_json(read_text(path), str(path))
 
 
+def save_json(path: str | Path, data: Any) -> Path:
+    """Whole or not at all: a reader (or a resume after a crash) sees the previous file or the new
+    one, never half of it."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+    return path
+
+
 def child(where: str, key: Any) -> str:
     """Extend an error location: ``"cfg.yaml:"`` + ``llm`` -> ``"cfg.yaml: llm"``."""
     return f"{where} {key}" if where.endswith(":") else f"{where}.{key}"
