@@ -3,20 +3,24 @@
 A backend runs a plan on a workload for N steps with the scheduler's
 schedules (one ``ScheduledBatch`` per step) and returns the trace and the
 metrics computed from it by the one metrics function. The simulator and the
-torch runtime both execute the same step graphs (``StepRunner.lower``) and
+torch runtime both execute the same step graphs (``CostedPlan.lower``) and
 write their traces through the same recorder, which is what the conformance
 suite checks.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import numpy as np
 
 from dflop.errors import DflopError
-from dflop.program.steps import Step, StepRunner
+from dflop.specs.plan import Plan
+from dflop.specs.run import RunConfig
+from dflop.timing.steps import Step, CostedPlan
 from dflop.trace.metrics import TraceMetrics
 from dflop.workload.sample import SampleTable
 
@@ -30,7 +34,7 @@ class ScheduledBatch:
 
 
 @dataclass
-class StepTimes:
+class ObservedStep:
     """What happened to one step's graph: start and end of every node, in ns from the step's start."""
 
     step: Step
@@ -38,7 +42,9 @@ class StepTimes:
     end: np.ndarray
 
 
-Observer = Callable[[StepTimes], None]
+T = TypeVar("T")
+
+Observer = Callable[[ObservedStep], None]
 """Called after every step (the adaptive correction learns from these)."""
 
 
@@ -52,11 +58,33 @@ class BackendResult:
 
 
 class Backend(Protocol):
-    name: str
+    """What `dflop run` (``dflop.jobs.run``) asks of a backend besides :meth:`run`: every backend
+    answers the same calls, so the job is one for all of them; the simulator answers them trivially."""
 
-    def run(self, runner: StepRunner, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
+    name: str
+    defaults: str
+    """The embedded run config it runs without ``--config`` (a key of ``dflop.specs.run.DEFAULTS``)."""
+    resumable: bool
+    """Whether it checkpoints, so that ``--resume`` can continue one of its runs."""
+
+    def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
             meta: dict[str, Any] | None = None) -> BackendResult:
-        """Execute ``steps`` of ``runner``'s plan, one after the other."""
+        """Execute ``steps`` of ``runner``'s plan, one after the other. ``extra["predicted_step_time_s"]``:
+        the simulator's prediction of each step (on the simulator, its own step times)."""
+
+    def session(self, config: RunConfig, folder: Path, *, where: str, resume: bool) -> AbstractContextManager[None]:
+        """Around one whole run into ``folder`` (``where`` names the config in errors): what the
+        backend sets up before any planning, on every process that runs the job."""
+
+    def is_reporting_rank(self) -> bool:
+        """Whether this process plans, saves and reports (the others only execute what it shares)."""
+
+    def share(self, value: T) -> T:
+        """The reporting rank's ``value``, on every process (``value`` is ignored on the others)."""
+
+    def prepare(self, plans: dict[str, Plan], steps: int, log: Callable[[str], None]) -> None:
+        """On the reporting rank, once the arms still to run (name: plan) are known and before any of
+        them runs ``steps`` steps: refuse what cannot run, ``log`` what will be off."""
 
 
 def _sim(**options: Any) -> Backend:

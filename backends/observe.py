@@ -3,7 +3,7 @@
 Every compute node of an encoder rank or an LLM rank measures one (module,
 replica, microbatch) bin; summing a bin's nodes (forward, backward, all its
 stages on that rank) gives the time the scheduler predicted for the bin's
-samples. The simulator and the torch runtime report the same ``StepTimes``, so
+samples. The simulator and the torch runtime report the same ``ObservedStep``, so
 the correction learns the same way from either.
 """
 
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflop.backends.base import StepTimes
+from dflop.backends.base import ObservedStep
 from dflop.cost.correction import CostCorrection, bucket_of, by_bucket
 from dflop.program.routing import encoder_replicas
 from dflop.specs.plan import Module
 from dflop.workload.sample import SampleTable
 
 
-def measured_bins(times: StepTimes) -> dict[tuple[Module, int, int], float]:
+def measured_bins(times: ObservedStep) -> dict[tuple[Module, int, int], float]:
     """Seconds per (module, replica, microbatch) on the last encoder rank and the last LLM rank."""
     graph = times.step.graph
     t = graph.template
@@ -34,7 +34,7 @@ def measured_bins(times: StepTimes) -> dict[tuple[Module, int, int], float]:
     return out
 
 
-def feed_correction(correction: CostCorrection, times: StepTimes, batch: SampleTable, costs: np.ndarray) -> None:
+def feed_correction(correction: CostCorrection, times: ObservedStep, batch: SampleTable, costs: np.ndarray) -> None:
     """Give ``correction`` every measured bin with the per-sample predictions ``costs`` (samples x
     dimensions, as the scheduler used them: the encoder's column scaled by LLM dp / encoder dp) of
     ``batch``, the samples as the scheduler saw them (same rows as the step's)."""
@@ -45,8 +45,8 @@ def feed_correction(correction: CostCorrection, times: StepTimes, batch: SampleT
     for (module, x, k), seconds in measured_bins(times).items():
         if module is Module.LLM:
             members = np.flatnonzero(assignment == x * m + k)
-            correction.observe("llm", by_bucket(costs[:, -1], buckets, members), seconds)
+            correction.observe(Module.LLM, by_bucket(costs[:, -1], buckets, members), seconds)
         else:
             members = np.flatnonzero((chunk == x) & (assignment % m == k))
             enc = costs[:, 0] * plan.encoder.dp / plan.llm.dp  # undo the column scaling
-            correction.observe("encoder", by_bucket(enc, buckets, members), seconds)
+            correction.observe(Module.ENCODER, by_bucket(enc, buckets, members), seconds)

@@ -2,28 +2,49 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
-from dflop.backends.base import BackendResult, Observer, ScheduledBatch, StepTimes
-from dflop.program.steps import StepRunner
+from dflop.backends.base import BackendResult, Observer, ScheduledBatch, ObservedStep, T
+from dflop.specs.plan import Plan
+from dflop.specs.run import RunConfig
+from dflop.timing.steps import CostedPlan
 from dflop.sim.simulate import simulate_steps
 
 
 @dataclass
 class SimBackend:
     name = "sim"
+    defaults = "sim"
+    resumable = False
     contention: bool = True
     """Links carry one transfer at a time."""
     memory: bool = True
     """Record memory counters in the trace."""
 
-    def run(self, runner: StepRunner, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
+    def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
             meta: dict[str, Any] | None = None) -> BackendResult:
         def seen(step, ex) -> None:  # noqa: ANN001 - (Step, Execution)
             if observe is not None:
-                observe(StepTimes(step, ex.start, ex.end))
+                observe(ObservedStep(step, ex.start, ex.end))
 
         sim = simulate_steps(runner, [s.batch for s in steps], lambda i, _: steps[i].assignment,
                              contention=self.contention, memory=self.memory, observe=seen, meta=meta)
-        return BackendResult(sim.trace, sim.metrics, sim.steps)
+        return BackendResult(sim.trace, sim.metrics, sim.steps,
+                             {"predicted_step_time_s": [s["step_s"] for s in sim.steps]})
+
+    # One process, nothing to set up, share or refuse.
+
+    def session(self, config: RunConfig, folder: Path, *, where: str, resume: bool) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def is_reporting_rank(self) -> bool:
+        return True
+
+    def share(self, value: T) -> T:
+        return value
+
+    def prepare(self, plans: dict[str, Plan], steps: int, log: Callable[[str], None]) -> None:
+        return None

@@ -80,8 +80,8 @@ def main() -> None:
     from dflop.cost.select import select_cost_model
     from dflop.profile.drift import measure_drift, overall_ratio
     from dflop.profile.profiler import profile_model
-    from dflop.program.steps import StepRunner
-    from dflop.schedule.step import plan_costs, schedule_batch
+    from dflop.timing.steps import CostedPlan
+    from dflop.schedule.step import bin_batch, plan_costs
     from dflop.workload import batches
 
     parser = tiny_cpu.parser(__doc__.splitlines()[0], "llava-ov")
@@ -109,16 +109,16 @@ def main() -> None:
         scheduled[name] = []
         for _ in range(args.steps + 1):
             batch = next(stream)
-            costs = plan_costs(batch, plan, model, cost)
-            scheduled[name].append(ScheduledBatch(batch, schedule_batch(batch, plan, costs=costs, solver="auto",
-                                                                        time_limit=0.2).assignment))
+            bins = bin_batch(batch, plan, system, costs=plan_costs(batch, plan, model, cost), solver="auto",
+                             time_limit=0.2)
+            scheduled[name].append(ScheduledBatch(batch, bins.assignment))
     steps = [s for plan in scheduled.values() for s in plan]
     tokens, tiles = microbatch_size(steps, "llm_tokens"), microbatch_size(steps, "tiles")
     runs: dict[str, list] = {name: [] for name in plans}
     drifts: list[list] = []
     for _ in range(args.rounds):  # in turn, so that a machine whose speed drifts slows every plan alike
         for name, plan in plans.items():
-            runs[name].append(TorchBackend(options=TorchOptions(lr=1e-4)).run(StepRunner(plan, system),
+            runs[name].append(TorchBackend(options=TorchOptions(lr=1e-4)).run(CostedPlan(plan, system),
                                                                                scheduled[name]))
         drifts.append([measure_drift(cost.records, m.name, tokens=tokens, tiles=tiles, repeats=3)
                        for m in (model.encoder, model.llm)])
@@ -132,7 +132,7 @@ def main() -> None:
                      "optimizer_s": float(np.median([s["optimizer_s"] for r in runs[name] for s in r.steps[1:]])),
                      "predicted_s": float(np.median(runs[name][0].extra["predicted_step_time_s"][1:]))})
         if fresh is not None:
-            again = SimBackend(memory=False).run(StepRunner(plan, replace(system, cost=fresh)), scheduled[name])
+            again = SimBackend(memory=False).run(CostedPlan(plan, replace(system, cost=fresh)), scheduled[name])
             rows[-1]["fresh_predicted_s"] = float(np.median([s["step_s"] for s in again.steps[1:]]))
     keys = ["predicted_s"] + (["fresh_predicted_s"] if fresh is not None else [])
     print(f"{'plan':<34} {'measured s':>10} {'spread':>7} {'optimizer s':>11}"

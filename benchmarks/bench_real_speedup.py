@@ -35,9 +35,9 @@ def main() -> None:
     from dflop.backends import ScheduledBatch
     from dflop.backends.torch_runtime.backend import TorchBackend
     from dflop.backends.torch_runtime.worker import TorchOptions
-    from dflop.program.steps import StepRunner
-    from dflop.schedule.batching import Batching, assign
-    from dflop.schedule.step import plan_costs, schedule_batch
+    from dflop.timing.steps import CostedPlan
+    from dflop.schedule.step import bin_batch
+    from dflop.schedule.batching import Batching
     from dflop.workload import batches
 
     parser = tiny_cpu.parser(__doc__.splitlines()[0], "video-heavy")
@@ -56,12 +56,10 @@ def main() -> None:
         steps = []
         for _ in range(args.rounds):
             batch = next(stream)
-            costs = plan_costs(batch, plan, model, cost)
-            for arm in ARMS:
-                bins = (schedule_batch(batch, plan, costs=costs, solver="auto", time_limit=0.2).assignment
-                        if arm == "balanced" else assign(Batching(arm), batch, plan.llm.dp, plan.microbatches))
+            for arm in ARMS:  # the bins `dflop run` trains: dflop's (solver "auto"), or a baseline's rule
+                bins = bin_batch(batch, plan, system, Batching(arm), solver="auto", time_limit=0.2).assignment
                 steps.append(ScheduledBatch(batch, bins))
-        result = TorchBackend(options=TorchOptions(lr=1e-4)).run(StepRunner(plan, system), steps)
+        result = TorchBackend(options=TorchOptions(lr=1e-4)).run(CostedPlan(plan, system), steps)
         per_batch = np.array([s["step_s"] for s in result.steps]).reshape(args.rounds, len(ARMS))[1:]
         measured = per_batch.sum(axis=0)
         predicted = np.array(result.extra["predicted_step_time_s"]).reshape(args.rounds, len(ARMS))[1:].sum(axis=0)

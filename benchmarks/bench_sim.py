@@ -14,12 +14,12 @@ import simpy
 from report import Results, arguments
 
 from dflop.cost import AnalyticalCostModel, System
-from dflop.program.costing import stage_times_timing
-from dflop.program.costs import graph_costs, longest_path
-from dflop.program.evaluate import evaluate
+from dflop.timing.costing import stage_times_timing
+from dflop.timing.costs import graph_costs, longest_path
+from dflop.timing.evaluate import evaluate
 from dflop.program.schedules import build
-from dflop.program.stepgraph import lower
-from dflop.program.steps import StepRunner
+from dflop.program.lowering import lower
+from dflop.timing.steps import CostedPlan
 from dflop.program.template import build_template
 from dflop.sim.engine import execute
 from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, presets
@@ -81,7 +81,7 @@ def big_plan(results: Results, nodes: int) -> None:
     plan = Plan(encoder=ModulePlan(tp=1, pp=1, dp=encoder_dp),
                 llm=ModulePlan(tp=4, pp=4, dp=(cluster.gpus - encoder_dp) // 16), microbatches=16)
     plan.validate(cluster, model, batch)
-    runner = StepRunner(plan, System(model, cluster, training, cost))
+    runner = CostedPlan(plan, System(model, cluster, training, cost))
     sample = profile_mix("llava-ov", 20000, model.encoder).sample(batch, np.random.default_rng(0))
     assignment = np.arange(batch) % plan.bins
     t_timing, timing = best_of(lambda: runner.builder.timing(sample, assignment))

@@ -15,8 +15,8 @@ import numpy as np
 
 from dflop.cost import AnalyticalCostModel, System
 from dflop.jobs.experiments import correction_study
-from dflop.program.evaluate import evaluate
-from dflop.program.steps import StepRunner
+from dflop.timing.evaluate import evaluate
+from dflop.timing.steps import CostedPlan
 from dflop.schedule.slots import ORDERS
 from dflop.schedule.step import plan_costs, schedule_batch
 from dflop.sim.engine import execute
@@ -41,7 +41,7 @@ PLANS = {
 STEPS = 6
 
 
-def simulated(runner: StepRunner, batch, assignment) -> float:
+def simulated(runner: CostedPlan, batch, assignment) -> float:
     step = runner.step(0, batch, assignment)
     return execute(step.graph, step.costs, track_memory=False).makespan / 1e9
 
@@ -51,7 +51,7 @@ def mixes() -> None:
     for mix in ("llava-ov", "image-heavy", "video-heavy"):
         data = profile_mix(mix, 20000, MODEL.encoder, seed=1).samples
         for name, plan in PLANS.items():
-            runner = StepRunner(plan, SYSTEM)
+            runner = CostedPlan(plan, SYSTEM)
             stream = batches(data, TRAINING.global_batch, seed=2)
             blind, aware = [], []
             for _ in range(STEPS):
@@ -69,7 +69,7 @@ def orders() -> None:
           "fast evaluator")
     data = profile_mix("llava-ov", 20000, MODEL.encoder, seed=1).samples
     for name, plan in list(PLANS.items())[:2]:
-        runner = StepRunner(plan, SYSTEM)
+        runner = CostedPlan(plan, SYSTEM)
         stream = batches(data, TRAINING.global_batch, seed=3)
         times: dict[str, list[float]] = {how: [] for how in (*ORDERS, "evaluated")}
         chosen = []

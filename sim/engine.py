@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from dflop.program.costs import StepCosts
+from dflop.timing.costs import StepCosts
 from dflop.program.stepgraph import StepGraph, Stream
 
 

@@ -8,17 +8,17 @@ from typing import Any
 import numpy as np
 
 from dflop.errors import DflopError
-from dflop.program.costing import stage_times_timing
-from dflop.program.costs import graph_costs
-from dflop.program.overlap import Overlap, with_overlap
+from dflop.timing.costing import stage_times_timing
+from dflop.timing.costs import graph_costs
+from dflop.timing.overlap import Overlap, with_overlap
 from dflop.program.schedules import build, splits_backward, stages_per_rank
-from dflop.program.stepgraph import lower
+from dflop.program.lowering import lower
 from dflop.program.template import build_template
 from dflop.sim.engine import execute
 from dflop.specs.plan import ModulePlan, Placement, Plan
 from dflop.trace.chrome import TraceBuilder
 from dflop.trace.metrics import metrics
-from dflop.trace.record import record_step, worker_records
+from dflop.trace.record import record_graph_step, worker_records
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def simulate_pipeline(fwd: Any, bwd: Any, *, schedule: str = "1F1B", microbatche
     ``p2p`` is the seconds of one transfer between adjacent stages on different
     ranks. ``overlap`` costs DualPipeV's overlapped forward-and-backward steps:
     ``"sequential"`` (F + B) or ``"overlapped"`` (max(F, B)); see
-    :mod:`dflop.program.overlap`.
+    :mod:`dflop.timing.overlap`.
     """
     fwd_a = np.asarray(fwd, dtype=float)
     m = microbatches or (fwd_a.shape[1] if fwd_a.ndim == 2 else None)
@@ -84,10 +84,7 @@ def simulate_pipeline(fwd: Any, bwd: Any, *, schedule: str = "1F1B", microbatche
     graph = lower(template)
     costs = graph_costs(graph, with_overlap(stage_times_timing(template, f, i, w, p2p), overlap))
     ex = execute(graph, costs, contention=contention, track_memory=False)
-    trace = TraceBuilder()
-    trace.set_workers(worker_records(graph))
-    record_step(trace, graph, ex.start, ex.end, step=0, offset_ns=0, costs=costs)
-    compute_end = int(ex.end[graph.compute_nodes()].max())
-    trace.step(0, 0, compute_end, ex.makespan)
+    trace = TraceBuilder(workers=worker_records(graph))
+    record_graph_step(trace, graph, ex.start, ex.end, step=0, offset_ns=0, step_ns=ex.makespan, costs=costs)
     doc = trace.document()
     return PipelineResult(ex.makespan / 1e9, metrics(doc).bubble_fraction, doc)

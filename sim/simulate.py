@@ -7,11 +7,11 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from dflop.program.steps import Step, StepRunner
+from dflop.timing.steps import Step, CostedPlan
 from dflop.sim.engine import Execution, execute
 from dflop.trace.chrome import TraceBuilder
 from dflop.trace.metrics import TraceMetrics, metrics
-from dflop.trace.record import record_step, worker_records
+from dflop.trace.record import record_graph_step
 from dflop.workload.sample import SampleTable
 
 Assign = Callable[[int, SampleTable], np.ndarray]
@@ -26,12 +26,12 @@ class Simulation:
     steps: list[dict[str, Any]] = field(default_factory=list)
 
 
-def trace_meta(runner: StepRunner, **extra: Any) -> dict[str, Any]:
+def trace_meta(runner: CostedPlan, **extra: Any) -> dict[str, Any]:
     return {"peak_flops": runner.system.hardware.peak_flops, "plan": runner.plan.describe(),
             "cost_model": runner.system.cost.name, **extra}
 
 
-def simulate_steps(runner: StepRunner, batches: Iterable[SampleTable], assign: Assign, *,
+def simulate_steps(runner: CostedPlan, batches: Iterable[SampleTable], assign: Assign, *,
                    contention: bool = True, memory: bool = True, observe: Observer | None = None,
                    meta: dict[str, Any] | None = None) -> Simulation:
     """Run every batch as one step: partition it with ``assign``, cost it with the runner's
@@ -43,16 +43,13 @@ def simulate_steps(runner: StepRunner, batches: Iterable[SampleTable], assign: A
     for index, batch in enumerate(batches):
         step = runner.step(index, batch, assign(index, batch))
         graph, costs = step.graph, step.costs
-        if index == 0:
-            trace.set_workers(worker_records(graph, costs))
         ex = execute(graph, costs, contention=contention, track_memory=memory)
-        record_step(trace, graph, ex.start, ex.end, step=index, offset_ns=offset, costs=costs,
-                    memory=ex.memory if memory else None)
+        compute_end = record_graph_step(trace, graph, ex.start, ex.end, step=index, offset_ns=offset,
+                                        step_ns=ex.makespan, costs=costs, memory=ex.memory if memory else None,
+                                        samples=len(batch))
         for event in ex.oom:
             trace.oom.append({**event, "step": index, "ns": event["ns"] + offset,
                               "rank": graph.workers[event["worker"]].name})
-        compute_end = int(max(ex.end[k] for k in graph.compute_nodes()))
-        trace.step(index, offset, offset + compute_end, offset + ex.makespan, samples=len(batch))
         steps.append({"step": index, "step_s": ex.makespan / 1e9, "compute_s": compute_end / 1e9,
                       "oom": len(ex.oom)})
         if observe is not None:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflop.errors import DflopError
-from dflop.schedule.background import AsyncScheduler, FileChannel, SchedulerError, check_schedule
+from dflop.schedule.background import AsyncScheduler, SchedulerError, check_schedule
 from dflop.schedule.step import StepSchedule
 from dflop.specs import presets
 from dflop.workload import batches, profile_mix
@@ -246,19 +246,3 @@ def test_deadline_must_be_finite_and_positive(deadline):
         AsyncScheduler(stream(1), lambda b, t: simple(b), simple, deadline=deadline)
 
 
-def test_every_rank_reads_the_same_schedule(tmp_path):
-    channel = FileChannel(tmp_path / "schedules")
-    read: dict[int, list] = {}
-
-    def other_rank():
-        read[1] = [channel.read(step, timeout=10).bins() for step in range(3)]
-
-    reader = threading.Thread(target=other_rank)
-    reader.start()
-    with AsyncScheduler(batches(TABLE, 20), lambda b, t: simple(b), simple, deadline=1.0,
-                        channel=channel) as scheduler:
-        mine = [scheduler.get(step)[1].bins() for step in range(3)]
-    reader.join(timeout=10)
-    assert read[1] == mine
-    with pytest.raises(SchedulerError, match="no schedule for step 9"):
-        channel.read(9, timeout=0.05)

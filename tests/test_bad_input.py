@@ -185,10 +185,11 @@ def test_the_documents_the_fuzz_starts_from_are_valid(tmp_path):
     from dflop.jobs.setup import check_run_config
     from dflop.specs.loading import from_mapping
     from dflop.specs.plan_file import load_plan
+    from dflop.specs.resolve import named_spec
     from dflop.specs.run import RunConfig
     from dflop.trace.chrome import check_trace
 
-    check_run_config(from_mapping(RunConfig, config_tree(), "c:"), "c")
+    check_run_config(from_mapping(RunConfig, config_tree(), "c:", named_spec), "c")
     check_trace(trace_tree(), "t")
     (tmp_path / "plan.yaml").write_text(dump_yaml(plan_tree()))
     assert load_plan(tmp_path / "plan.yaml").cluster.gpus == 8
@@ -453,12 +454,12 @@ def test_bad_resume_folders_are_refused_before_any_process_starts(tmp_path):
 def test_a_saved_arm_reads_back_as_it_was_written(tmp_path):
     from dflop.jobs.resume import load_arm, read_run
     from dflop.jobs.setup import setup
-    from dflop.jobs.train import plan_arms
+    from dflop.jobs.run import plan_arms
 
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
     s = setup(config, backend="torch", log=lambda _: None)
-    saved = plan_arms(s, 2, tmp_path, None, lambda _: None)[0]
+    saved = plan_arms(s, 2, tmp_path, lambda _: None)[0][0]
     loaded = load_arm("dflop", tmp_path, s, read_run(tmp_path))
     assert loaded.plan == saved.plan and loaded.solver == saved.solver and len(loaded.steps) == 2
     for a, b in zip(saved.steps, loaded.steps):

@@ -66,7 +66,10 @@ def test_run_compares_with_the_baseline(tmp_path):
     out = dflop_json("run", "--config", small_config(tmp_path), "--out", tmp_path / "run")
     assert set(out) >= {"plan", "step_time_s", "throughput_samples_per_s", "bubble_fraction", "idle_fraction",
                         "baseline", "speedup", "artifacts"}
-    assert set(out["step_time_s"]) == {"mean", "p50"}
+    assert set(out["step_time_s"]) == {"mean", "p50", "each"} and len(out["step_time_s"]["each"]) == out["steps"]
+    # on the simulator the prediction is the measurement
+    assert out["predicted_step_time_s"]["each"] == out["step_time_s"]["each"]
+    assert out["predicted_speedup"] == pytest.approx(out["speedup"]) and out["measured_prediction_error"] == 0
     assert out["speedup"] == out["baseline"]["step_time_s"]["mean"] / out["step_time_s"]["mean"]
     for path in out["artifacts"].values():
         assert (tmp_path / "run" / path.split("/")[-1]).exists()

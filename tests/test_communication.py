@@ -13,11 +13,11 @@ from dflop.cost.comm import collective_link
 from dflop.cost.overlap import bucket_lag, bucket_slowdown, overlapped, unit_chain
 from dflop.program.actions import Kind
 from dflop.program.collectives import CollectiveSpec
-from dflop.program.costs import longest_path
-from dflop.program.dpcomm import GroupComm, Units, fsdp_op, reduction
-from dflop.program.evaluate import evaluate, summarize
+from dflop.timing.costs import longest_path
+from dflop.timing.dpcomm import GroupComm, Units, fsdp_op, reduction
+from dflop.timing.evaluate import evaluate, summarize
 from dflop.program.graph_check import check_graph
-from dflop.program.steps import StepRunner
+from dflop.timing.steps import CostedPlan
 from dflop.sim import execute
 from dflop.sim.simulate import simulate_steps
 from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec
@@ -136,7 +136,7 @@ def test_three_evaluators_agree_on_every_data_parallel_mode(model, cluster, syst
         system = replace(system, cost=UnitsMeasured(model, cluster.hardware, system.training))
     rng = np.random.default_rng(seed)
     batch = data.take(rng.integers(0, len(data), 64))
-    step = StepRunner(plan, system).step(0, batch, rng.permutation(np.arange(64) % plan.bins))
+    step = CostedPlan(plan, system).step(0, batch, rng.permutation(np.arange(64) % plan.bins))
     check_graph(step.graph)
     fast = evaluate(step.timing)
     _, end = longest_path(step.graph, step.costs)
@@ -156,7 +156,7 @@ def test_overlapped_communication_shows_in_the_trace(model, cluster, system_and_
     system, data = system_and_data
     batch = data.take(np.arange(64))
     for plan, expect in ((colocated(2, 4, 1, zero=0), "reduce_grad"), (colocated(2, 4, 2, zero=3), "overlapped")):
-        runner = StepRunner(plan, system)
+        runner = CostedPlan(plan, system)
         sim = simulate_steps(runner, [batch], lambda i, b: np.arange(len(b)) % plan.bins)
         events = [e for e in sim.trace["traceEvents"] if e.get("ph") == "X"]
         comm = [e for e in events if e["cat"] == expect]
@@ -174,7 +174,7 @@ def test_hfu_counts_recomputation(model, cluster, system_and_data):
     ratios = {}
     for recompute in ("none", "full"):
         plan = colocated(2, 4, 2, recompute=recompute)
-        runner = StepRunner(plan, system)
+        runner = CostedPlan(plan, system)
         timing = runner.step(0, batch, np.arange(64) % plan.bins).timing
         mfu, hfu = summarize(timing, evaluate(timing)).utilisation(cluster.hardware.peak_flops)
         ratios[recompute] = hfu / mfu
@@ -188,7 +188,7 @@ def test_peak_memory_holds_the_transients(model, cluster, system_and_data):
     system, data = system_and_data
     batch = data.take(np.arange(64))
     plan = colocated(1, 8, 1, zero=1)
-    step = StepRunner(plan, system).step(0, batch, np.arange(64) % plan.bins)
+    step = CostedPlan(plan, system).step(0, batch, np.arange(64) % plan.bins)
     summary = summarize(step.timing, evaluate(step.timing))
     simulated = execute(step.graph, step.costs)
     assert summary.peak_memory.max() == pytest.approx(simulated.peak.max())

@@ -8,10 +8,10 @@ from dflop.cost import AnalyticalCostModel, System
 from dflop.cost.profiled import UnitFit, fit, fsdp_unit_fits, off_their_neighbours
 from dflop.cost.select import select_cost_model
 from dflop.cost.store import FSDP_UNIT, shipped_records
-from dflop.program.costing import group_state
-from dflop.program.dpcomm import group_comm, rank_units
-from dflop.program.evaluate import evaluate
-from dflop.program.steps import StepRunner
+from dflop.timing.costing import group_state
+from dflop.timing.dpcomm import group_comm, rank_units
+from dflop.timing.evaluate import evaluate
+from dflop.timing.steps import CostedPlan
 from dflop.sim import execute
 from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, presets
 from dflop.workload import profile_mix
@@ -66,7 +66,7 @@ def test_the_shipped_profile_prices_units_sharded_over_two_processes():
          schedule="Interleaved1F1B", virtual_stages=2),
 ])
 def test_a_ranks_units_hold_its_parameters(plan):
-    runner = StepRunner(plan, System(TINY, CPU, TRAINING, AnalyticalCostModel(TINY, CPU.hardware, TRAINING)))
+    runner = CostedPlan(plan, System(TINY, CPU, TRAINING, AnalyticalCostModel(TINY, CPU.hardware, TRAINING)))
     layers = {m: plan.stage_layers(m, TINY) for m in ("encoder", "llm")}
     for g in runner.builder.t.groups:
         units = rank_units(plan, TINY, g.module, g.stages)
@@ -92,7 +92,7 @@ def test_measured_units_lengthen_every_op_by_what_was_measured(zero, per_microba
     args = (TINY, CPU.hardware, TRAINING)
 
     def step(cost):
-        s = StepRunner(plan, System(TINY, CPU, TRAINING, cost)).step(0, batch, assignment)
+        s = CostedPlan(plan, System(TINY, CPU, TRAINING, cost)).step(0, batch, assignment)
         fast = evaluate(s.timing).step_ns
         assert fast == execute(s.graph, s.costs, contention=False).makespan  # the evaluators agree
         return fast

@@ -6,7 +6,7 @@ import pytest
 
 from dflop.errors import SpecError
 from dflop.specs import presets
-from dflop.specs.models import encoder_from_hf_config, llm_from_hf_config
+from dflop.specs.hf_config import encoder_from_hf_config, llm_from_hf_config
 from dflop.specs.run import load_run_config
 
 QWEN2_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28,

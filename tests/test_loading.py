@@ -12,6 +12,7 @@ from dflop.errors import SpecError
 from dflop.specs import ClusterSpec, HardwareSpec, Plan, TrainingSpec, from_mapping, presets, to_mapping
 from dflop.specs.limits import MAX_DEPTH, MAX_GLOBAL_BATCH, MAX_INT, MAX_SAMPLES
 from dflop.specs.loading import load_json, load_yaml, parse_json, parse_yaml
+from dflop.specs.resolve import named_spec
 from dflop.specs.run import DataSpec, RunConfig, SchedulerSpec, load_run_config
 
 
@@ -104,7 +105,7 @@ def test_every_number_of_a_spec_must_be_finite_and_sane(cls, data):
     bad = data.draw(st.sampled_from(BAD[kind]))
     with pytest.raises(SpecError, match=rf"^c.yaml: {field}: (must be (a finite number|at (most|least))"
                                         r"|expected an integer)"):
-        from_mapping(cls, {**SPECS[cls], field: bad}, "c.yaml:")
+        from_mapping(cls, {**SPECS[cls], field: bad}, "c.yaml:", named_spec)
 
 
 def test_direct_construction_is_checked_too():
@@ -126,7 +127,7 @@ def test_sizes_that_cannot_be_allocated_and_negative_seeds_are_refused():
         from_mapping(DataSpec, {"seed": -1}, "c:")
     config = to_mapping(load_run_config())
     with pytest.raises(SpecError, match="c: seed: must be at least 0, got -5"):
-        from_mapping(RunConfig, {**config, "seed": -5}, "c:")
+        from_mapping(RunConfig, {**config, "seed": -5}, "c:", named_spec)
 
 
 def test_config_time_limit_inf_and_peak_flops_inf_name_file_and_key(tmp_path):

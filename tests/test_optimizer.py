@@ -10,7 +10,7 @@ from dflop.plan.search import Optimizer, optimize
 from dflop.plan.space import DFLOP, MEGATRON, PYTORCH, SpaceBuilder
 from dflop.schedule.batching import Batching
 from dflop.plan.split import balanced_split
-from dflop.program.steps import StepRunner
+from dflop.timing.steps import CostedPlan
 from dflop.sim.simulate import simulate_steps
 from dflop.specs import ClusterSpec, TrainingSpec, presets
 from dflop.workload import profile_mix
@@ -59,7 +59,7 @@ def test_chosen_plan_does_not_run_out_of_memory_in_the_simulator():
     result = opt.search(DFLOP)
     plan = result.best.plan
     batches = [opt.pool[i] for i in range(2)]
-    sim = simulate_steps(StepRunner(plan, problem.system), batches,
+    sim = simulate_steps(CostedPlan(plan, problem.system), batches,
                          lambda i, b: opt.ev.assignment(plan, i, Batching.BALANCED)[0])
     assert sim.metrics.oom == []
     assert max(sim.metrics.peak_memory_gib) * 2**30 <= problem.cluster.hardware.usable_memory_bytes

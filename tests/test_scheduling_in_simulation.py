@@ -5,8 +5,8 @@ import pytest
 
 from dflop.cost import AnalyticalCostModel, System
 from dflop.jobs.experiments import correction_study, inflate
-from dflop.program.evaluate import evaluate
-from dflop.program.steps import StepRunner
+from dflop.timing.evaluate import evaluate
+from dflop.timing.steps import CostedPlan
 from dflop.schedule.slots import ORDERS, slot_bins
 from dflop.schedule.step import StepSchedule, plan_costs, schedule_batch
 from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, presets
@@ -28,7 +28,7 @@ PLANS = [
 @pytest.mark.parametrize("plan", PLANS, ids=["disaggregated", "colocated"])
 def test_data_aware_bins_cut_the_step_time(mix, plan):
     data = profile_mix(mix, 4000, MODEL.encoder, seed=2).samples
-    runner = StepRunner(plan, SYSTEM)
+    runner = CostedPlan(plan, SYSTEM)
     stream = batches(data, 128, seed=5)
     blind, aware = [], []
     for _ in range(3):

@@ -10,13 +10,14 @@ from hypothesis import strategies as st
 
 from dflop.cost import AnalyticalCostModel, System
 from dflop.program.actions import Kind
-from dflop.program.costing import bin_shapes, stage_times_timing
-from dflop.program.costs import graph_costs, longest_path
-from dflop.program.evaluate import evaluate, summarize
-from dflop.program.overlap import Overlap, with_overlap
+from dflop.timing.costing import bin_shapes, stage_times_timing
+from dflop.timing.costs import graph_costs, longest_path
+from dflop.timing.evaluate import evaluate, summarize
+from dflop.timing.overlap import Overlap, with_overlap
 from dflop.program.schedules import build
-from dflop.program.stepgraph import Stream, lower
-from dflop.program.steps import StepRunner
+from dflop.program.lowering import lower
+from dflop.program.stepgraph import Stream
+from dflop.timing.steps import CostedPlan
 from dflop.program.template import build_template
 from dflop.sim import execute, simulate_pipeline
 from dflop.sim.simulate import simulate_steps
@@ -158,7 +159,7 @@ def test_three_evaluators_agree_on_full_plans(model, cluster, builder_setup, pla
     assume(not plan.problems(cluster, model, 128))
     rng = np.random.default_rng(seed)
     batch = prof.sample(64, rng)
-    step = StepRunner(plan, system).step(0, batch, rng.permutation(np.arange(64) % plan.bins))
+    step = CostedPlan(plan, system).step(0, batch, rng.permutation(np.arange(64) % plan.bins))
     fast = evaluate(step.timing)
     start, end = longest_path(step.graph, step.costs)
     simpy = execute(step.graph, step.costs, contention=False)
@@ -195,9 +196,9 @@ def test_a_stage_whose_inputs_need_no_gradient_runs_its_whole_backward_in_w(mode
     # bridge brings a disaggregated LLM nothing there), the others do.
     batch = pool.take(np.concatenate([np.flatnonzero(pool.tiles == 0)[:16], np.flatnonzero(pool.tiles > 0)[:48]]))
     assignment = np.arange(64) * plan.bins // 64
-    timing = StepRunner(plan, system).step(0, batch, assignment).timing
+    timing = CostedPlan(plan, system).step(0, batch, assignment).timing
     twin = "1F1B" if plan.virtual_stages == 1 else "Interleaved1F1B"  # the same stages, backward unsplit
-    unsplit = StepRunner(replace(plan, schedule=twin), system).step(0, batch, assignment).timing
+    unsplit = CostedPlan(replace(plan, schedule=twin), system).step(0, batch, assignment).timing
 
     def by_op(t, kind, field="duration"):
         return {(t.template.groups[op.group].module, op.stage, op.action.microbatch): getattr(t, field)[op.index]
@@ -224,7 +225,7 @@ def test_a_stage_whose_inputs_need_no_gradient_runs_its_whole_backward_in_w(mode
 def test_disaggregated_default_model_simulates_with_bridge_and_allreduce(model, cluster, builder_setup):
     system, prof = builder_setup
     plan = Plan(encoder=ModulePlan(tp=1, pp=1, dp=8), llm=ModulePlan(tp=4, pp=2, dp=3), microbatches=4)
-    runner = StepRunner(plan, system)
+    runner = CostedPlan(plan, system)
     rng = np.random.default_rng(0)
     batches = [prof.sample(96, rng) for _ in range(2)]
     sim = simulate_steps(runner, batches, lambda i, b: np.arange(len(b)) % plan.bins)
@@ -242,7 +243,7 @@ def test_out_of_memory_is_reported_with_rank_step_and_bytes(model, cluster, buil
     _, prof = builder_setup
     no_recompute = TrainingSpec(global_batch=128)
     plan = Plan(encoder=ModulePlan(tp=1, dp=2), llm=ModulePlan(tp=1, pp=1, dp=2), microbatches=1, zero=0)
-    runner = StepRunner(plan, System(model, cluster, no_recompute,
+    runner = CostedPlan(plan, System(model, cluster, no_recompute,
                                      AnalyticalCostModel(model, cluster.hardware, no_recompute)))
     batch = prof.sample(64, np.random.default_rng(1))
     sim = simulate_steps(runner, [batch], lambda i, b: np.arange(len(b)) % plan.bins)

@@ -9,6 +9,7 @@ from dflop.errors import PlanError, SpecError
 from dflop.specs import (ClusterSpec, HardwareSpec, LLMSpec, ModulePlan, Plan, TrainingSpec,
                          from_mapping, llm_from_hf_config, load_spec, presets, save_spec, to_mapping)
 from dflop.specs.plan import Module, place
+from dflop.specs.resolve import named_spec
 from dflop.specs.run import RunConfig, load_run_config
 
 # Published architecture numbers (public config.json files), DESIGN.md's list.
@@ -62,7 +63,7 @@ def test_llm_spec_yaml_round_trip(tmp_path, name):
 
 
 def test_hardware_round_trip_and_cluster_from_preset_name(tmp_path):
-    cluster = from_mapping(ClusterSpec, {"hardware": "h100", "nodes": 2, "gpus_per_node": 8}, "c:")
+    cluster = from_mapping(ClusterSpec, {"hardware": "h100", "nodes": 2, "gpus_per_node": 8}, "c:", named_spec)
     path = save_spec(cluster, tmp_path / "cluster.yaml")
     assert load_spec(ClusterSpec, path) == cluster
     assert cluster.gpus == 16

@@ -12,8 +12,8 @@ from dflop.program.actions import Kind
 from dflop.program.check import ProgramError
 from dflop.program.graph_check import check_graph, dry_run
 from dflop.program.schedules import build
-from dflop.program.stepgraph import lower
-from dflop.program.steps import StepRunner
+from dflop.program.lowering import lower
+from dflop.timing.steps import CostedPlan
 from dflop.program.template import build_template
 from dflop.specs import ModulePlan, Plan, TrainingSpec
 from dflop.workload import profile_mix
@@ -99,7 +99,7 @@ def test_every_plan_lowers_to_a_complete_deadlock_free_graph(model, cluster, sys
     assume(not plan.problems(cluster, model, 128))
     rng = np.random.default_rng(seed)
     batch = data.take(rng.integers(0, len(data), 48))
-    step = StepRunner(plan, system).step(0, batch, rng.permutation(np.arange(48) % plan.bins))
+    step = CostedPlan(plan, system).step(0, batch, rng.permutation(np.arange(48) % plan.bins))
     graph = step.graph
     check_graph(graph)
     kinds = [n.kind for n in graph.nodes]

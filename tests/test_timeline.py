@@ -8,7 +8,7 @@ from PIL import Image
 from cli_helpers import assert_one_line_error, dflop, dflop_json
 from dflop.cost import AnalyticalCostModel, System
 from dflop.errors import DflopError
-from dflop.program.steps import StepRunner
+from dflop.timing.steps import CostedPlan
 from dflop.sim.simulate import simulate_steps
 from dflop.specs import ModulePlan, Plan, TrainingSpec
 from dflop.trace.chrome import COMM, COMPUTE, TraceBuilder, save_trace
@@ -119,7 +119,7 @@ def test_simulated_traces_colour_modules_apart(system, model, placement):
     else:
         plan = Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(pp=2, dp=2), microbatches=2)
     batches = [profile_mix("llava-ov", 32, model.encoder, seed).samples for seed in range(2)]
-    sim = simulate_steps(StepRunner(plan, system), batches, lambda i, b: np.arange(len(b)) % plan.bins)
+    sim = simulate_steps(CostedPlan(plan, system), batches, lambda i, b: np.arange(len(b)) % plan.bins)
     counts = layout(sim.trace).panels[0].counts()
     compute = {c for c in counts if c.split()[-1] in "FBIW"}
     if placement == "colocated":  # stage 0 runs the encoder too; stage 1 only the LLM

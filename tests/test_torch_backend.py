@@ -15,7 +15,7 @@ from dflop.backends.torch_runtime.worker import TorchOptions
 from dflop.cost import System
 from dflop.cost.select import select_cost_model
 from dflop.errors import DflopError
-from dflop.program.steps import StepRunner
+from dflop.timing.steps import CostedPlan
 from dflop.schedule.step import plan_costs, schedule_batch
 from dflop.specs import ClusterSpec, ModulePlan, Plan, Strategy, TrainingSpec, presets
 from dflop.workload.sample import SampleTable
@@ -106,14 +106,14 @@ def test_distributed_training_matches_the_single_process_reference(small_samples
     steps = scheduled(system, plan, small_samples, 2)
     assert len({tuple(np.bincount(s.assignment, minlength=plan.bins)) for s in steps}) >= 1
     options = TorchOptions(dtype="float64", lr=1e-2, seed=7)
-    result = TorchBackend(options=options, keep_parameters=True).run(StepRunner(plan, system), steps)
+    result = TorchBackend(options=options, keep_parameters=True).run(CostedPlan(plan, system), steps)
     ref = reference_training(MODEL, [s.batch for s in steps], options)
     reference, losses = ref.parameters, ref.losses
     n_params = sum(1 for n in reference)
     assert len({whole_model_name(n, MODEL.llm.tie_embeddings) for n in result.extra["parameters"]}) == n_params
     assert max_difference(result.extra["parameters"], reference) < 1e-9
     assert result.extra["losses"] == pytest.approx(losses, rel=1e-12)
-    simulated = get_backend("sim").run(StepRunner(plan, system), steps)
+    simulated = get_backend("sim").run(CostedPlan(plan, system), steps)
     assert node_sequences(result.trace) == node_sequences(simulated.trace)
     assert result.metrics.steps == 2 and len(result.extra["predicted_step_time_s"]) == 2
 
@@ -157,7 +157,7 @@ def test_fp32_training_stays_within_what_rounding_can_do(system, small_samples, 
     plan = PLANS[name]
     steps = scheduled(system, plan, small_samples, 2, seed=1)
     options = TorchOptions(lr=1e-3, adam_eps=1e-2)
-    result = TorchBackend(options=options, keep_parameters=True, predict=False).run(StepRunner(plan, system), steps)
+    result = TorchBackend(options=options, keep_parameters=True, predict=False).run(CostedPlan(plan, system), steps)
     reference = reference_training(MODEL, [s.batch for s in steps], options)
     bound = fp32_bound(reference, options)
     assert max_difference(result.extra["parameters"], reference.parameters) < bound
@@ -173,7 +173,7 @@ def test_a_failing_rank_stops_every_rank_with_its_step_and_node(system, small_sa
     options = TorchOptions(timeout_s=30, fail_at=(1, "0F1", how))
     start = time.monotonic()
     with pytest.raises(RankFailed) as err:
-        TorchBackend(options=options, predict=False).run(StepRunner(plan, system), steps)
+        TorchBackend(options=options, predict=False).run(CostedPlan(plan, system), steps)
     assert time.monotonic() - start < 90  # bounded: no rank waits for the dead one forever
     message = str(err.value)
     assert "\n" not in message and "step 1" in message and "0F1" in message and "rank 0" in message
@@ -187,14 +187,14 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(system, 
     plan = Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated", microbatches=2, zero=1)
     steps = scheduled(system, plan, small_samples, 4, seed=2)  # ZeRO-1: each rank saves its optimizer shard
     base = TorchOptions(dtype="float64", lr=1e-2)
-    whole = TorchBackend(options=base, keep_parameters=True, predict=False).run(StepRunner(plan, system), steps)
+    whole = TorchBackend(options=base, keep_parameters=True, predict=False).run(CostedPlan(plan, system), steps)
     folder = str(tmp_path / "checkpoints")
     interrupted = TorchOptions(dtype="float64", lr=1e-2, checkpoint_every=2, checkpoint_dir=folder,
                                fail_at=(3, "0F1", "exit"))
     with pytest.raises(RankFailed, match="step 3"):
-        TorchBackend(options=interrupted, predict=False).run(StepRunner(plan, system), steps)
+        TorchBackend(options=interrupted, predict=False).run(CostedPlan(plan, system), steps)
     resumed = TorchOptions(dtype="float64", lr=1e-2, checkpoint_every=2, checkpoint_dir=folder, resume=True)
-    again = TorchBackend(options=resumed, keep_parameters=True, predict=False).run(StepRunner(plan, system), steps)
+    again = TorchBackend(options=resumed, keep_parameters=True, predict=False).run(CostedPlan(plan, system), steps)
     assert again.extra["first_step"] == 2 and again.metrics.steps == 2
     assert max(float((again.extra["parameters"][n] - t).abs().max())
                for n, t in whole.extra["parameters"].items()) < 1e-12
@@ -210,17 +210,17 @@ def test_out_of_memory_names_the_rank_the_node_and_the_microbatch_shape(small_sa
     import torch
 
     from dflop.backends.torch_runtime.parallel import RankLayout
-    from dflop.backends.torch_runtime.runtime import Clock, StepRun, Worker
+    from dflop.backends.torch_runtime.runtime import Clock, RankStep, RankState
     from dflop.backends.torch_runtime.shapes import StepData
-    from dflop.program.stepgraph import lower
+    from dflop.program.lowering import lower
     from dflop.program.template import build_template
 
     plan = Plan(encoder=ModulePlan(), llm=ModulePlan(), placement="colocated", microbatches=2)
     batch = small_samples.take(np.arange(6))
     assignment = np.array([0, 1, 0, 1, 0, 1])
     graph = lower(build_template(plan))
-    worker = Worker(0, RankLayout(3, 0, 0, ((3,),)), {}, None, None, torch.device("cpu"), 0, 64, 1024, Strategy(zero=1))
-    run = StepRun(worker, graph, StepData(plan, batch, assignment), 5, Clock(torch.device("cpu")))
+    worker = RankState(0, RankLayout(3, 0, 0, ((3,),)), {}, None, None, torch.device("cpu"), 0, 64, 1024, Strategy(zero=1))
+    run = RankStep(worker, graph, StepData(plan, batch, assignment), 5, Clock(torch.device("cpu")))
     n = graph.labels.index("0F1")
     err = run.failure(n, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     rows = assignment == 1
@@ -228,6 +228,32 @@ def test_out_of_memory_names_the_rank_the_node_and_the_microbatch_shape(small_sa
              f"{batch.llm_tokens[rows].sum()} tokens")
     assert str(err).startswith("rank 3 (w0) failed at step 5, node 0F1: OutOfMemoryError: out of memory (" + shape)
     assert ">> 0F1" in err.details and "\n" not in str(err)
+
+
+def test_the_runtime_dispatches_every_node_kind_through_one_table_and_names_a_failing_node(small_samples):
+    import torch
+
+    from dflop.backends.torch_runtime.parallel import RankLayout
+    from dflop.backends.torch_runtime.runtime import ActionFailed, Clock, RankStep, RankState
+    from dflop.backends.torch_runtime.shapes import StepData
+    from dflop.program.actions import Kind
+    from dflop.program.lowering import lower
+    from dflop.program.template import build_template
+
+    plan = Plan(encoder=ModulePlan(), llm=ModulePlan(), placement="colocated", microbatches=2)
+    graph = lower(build_template(plan))
+    worker = RankState(0, RankLayout(3, 0, 0, ((3,),)), {}, None, None, torch.device("cpu"), 0, 64, 1024, Strategy(zero=1))
+    run = RankStep(worker, graph, StepData(plan, small_samples.take(np.arange(4)), np.array([0, 1, 0, 1])), 5,
+                  Clock(torch.device("cpu")))
+    assert set(run.handlers()) == set(Kind) - {Kind.OVERLAP_F_B}  # a pair runs as its two halves
+
+    def fails(n, node):
+        raise ValueError("bad shape")
+
+    run.forward = fails  # the table is built from the bound handlers when the step runs
+    with pytest.raises(ActionFailed, match=r"^rank 3 \(w0\) failed at step 5, node 0F0: ValueError: bad shape$"):
+        run.run()
+    assert run.times == []  # a node that failed is not timed
 
 
 def test_recomputation_reruns_what_its_mode_drops_and_changes_no_gradient():
@@ -278,7 +304,7 @@ def test_fp32_gradient_buffers_in_a_16_bit_run_are_refused_naming_the_field(syst
                 fp32_grads=True)
     steps = scheduled(system, plan, small_samples, 1)
     with pytest.raises(DflopError, match="plan field fp32_grads") as err:
-        TorchBackend(options=TorchOptions(dtype="bfloat16"), predict=False).run(StepRunner(plan, system), steps)
+        TorchBackend(options=TorchOptions(dtype="bfloat16"), predict=False).run(CostedPlan(plan, system), steps)
     assert "\n" not in str(err.value)
 
 

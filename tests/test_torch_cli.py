@@ -21,21 +21,49 @@ def tiny_config(tmp_path):
     return path
 
 
-def test_torch_run_reports_measured_and_predicted_steps_losses_and_artifacts(tiny_config, tmp_path):
-    out = tmp_path / "run"
-    r = dflop_json("run", "--backend", "torch", "--config", tiny_config, "--out", out)
+@pytest.fixture(scope="module")
+def torch_run(tmp_path_factory):
+    """(config, output folder, JSON) of one torch run of TINY."""
+    folder = tmp_path_factory.mktemp("torch-run")
+    config = folder / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    out = folder / "run"
+    return config, out, dflop_json("run", "--backend", "torch", "--config", config, "--out", out)
+
+
+def test_torch_run_reports_measured_and_predicted_steps_losses_and_artifacts(torch_run):
+    _, out, r = torch_run
     assert r["backend"] == "torch" and r["steps"] == 2 and len(r["losses"]) == 2
     assert r["step_time_s"]["mean"] > 0 and r["predicted_step_time_s"]["mean"] > 0
     graph, predicted = r["graph_time_s"]["each"], r["predicted_step_time_s"]["each"]
     assert all(0 < g < s for g, s in zip(graph, r["step_time_s"]["each"]))  # the optimizer step comes after
-    assert r["prediction_error"] == pytest.approx(predicted[1] / graph[1] - 1)  # step 1 pays one-time costs
+    assert r["measured_prediction_error"] == pytest.approx(predicted[1] / graph[1] - 1)  # step 1: one-time costs
     assert r["baseline"]["plan"]["describe"] == r["plan"]["describe"]  # same plan, arrival-order batches
     assert r["speedup"] == pytest.approx(r["baseline"]["step_time_s"]["mean"] / r["step_time_s"]["mean"])
-    for key in ("trace", "predicted_trace", "timeline"):
+    for key in ("trace", "predicted_trace", "baseline_trace", "timeline", "plan"):
         assert (out / r["artifacts"][key].split("/")[-1]).exists()
     trace = json.loads((out / "dflop.trace.json").read_text())
     assert trace["otherData"]["backend"] == "torch" and len(trace["otherData"]["steps"]) == 2
     assert sorted(p.name for p in (out / "schedules" / "dflop").iterdir()) == ["step-000000.json", "step-000001.json"]
+
+
+def test_the_torch_run_reports_what_the_simulated_run_reports_and_its_training(torch_run, tmp_path):
+    """One JSON schema: the same keys, nested ones too, but for what only a backend that trains has
+    (``TRAINING_FIELDS``, in dflop's arm and the baseline's)."""
+    from dflop.jobs.run import TRAINING_FIELDS
+
+    config, _, r = torch_run
+    sim = dflop_json("run", "--config", config, "--out", tmp_path / "sim")
+
+    def keys(report):
+        return {k for k in report if k not in TRAINING_FIELDS} | {f"{section}.{k}" for section in (
+            "baseline", "artifacts", "step_time_s", "predicted_step_time_s", "expected") for k in report[section]
+            if k not in TRAINING_FIELDS}
+
+    assert set(TRAINING_FIELDS) <= set(r) and set(TRAINING_FIELDS) <= set(r["baseline"])
+    assert keys(r) == keys(sim) and not set(TRAINING_FIELDS) & set(sim)
+    assert {k for k in r["baseline"] if k not in TRAINING_FIELDS} == set(sim["baseline"])
+    assert r["backend"] == "torch" and sim["backend"] == "sim"
 
 
 def test_a_resume_folder_without_a_run_is_a_clear_error(tmp_path):

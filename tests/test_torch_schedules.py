@@ -15,9 +15,9 @@ import torch.distributed.pipelining.schedules as torch_schedules
 from dflop.errors import DflopError
 from dflop.program.actions import Action, Program
 from dflop.program.check import check_program
-from dflop.program.lower import add_send_recv
 from dflop.program.placement import StagePlacement
 from dflop.program.schedules import build, canonical, placement, stages_per_rank
+from test_programs import lowered
 
 logging.getLogger("torch.distributed.pipelining.schedules").setLevel(logging.ERROR)
 
@@ -63,7 +63,7 @@ def test_orders_match_torch_wherever_torch_accepts(name, v):
         assert dflop_order(program) == expected, (name, pp, m, v)
         assert program.stages == pp * v and program.num_ranks == pp
         check_program(program)
-        check_program(add_send_recv(program))
+        check_program(lowered(program))
         compared += 1
     assert compared >= 78  # DualPipeV, the most constrained: m >= 2p
 
@@ -123,8 +123,8 @@ def test_overlapped_step_text_matches_torch_and_round_trips_through_csv(tmp_path
     assert Action.parse(text) == overlaps[0] and overlaps[0].parts == (Action.parse("0F5"), Action.parse("5B2"))
     again = Program.from_csv(program.to_csv(), name=program.name)
     assert again == program
-    lowered = add_send_recv(program)
-    assert Program.from_csv(lowered.to_csv(), name=program.name) == lowered
+    text = lowered(program)
+    assert Program.from_csv(text.to_csv(), name=program.name) == text
     (tmp_path / "dualpipev.csv").write_text(program.to_csv())
     schedule = torch_schedule("DualPipeV", 3, 8, 2)
     schedule._load_csv(str(tmp_path / "dualpipev.csv"), format="compute_only")  # torch reads our CSV back

@@ -151,3 +151,29 @@ def test_bad_other_data_is_named(tmp_path, other, message):
                                 "otherData": other}))
     with pytest.raises(DflopError, match=f"^{re.escape(f'{path}: {message}')}"):
         load_trace(path)
+
+
+def test_one_record_loop_takes_the_workers_once_and_ends_compute_at_the_last_compute_node():
+    """The loop every runtime records a step through: a ZeRO-1 step ends with its gradient reduction,
+    after the last compute node; the step's span is what the runtime says it took."""
+    import numpy as np
+
+    from dflop.program.lowering import lower
+    from dflop.program.template import build_template
+    from dflop.specs import ModulePlan, Plan
+    from dflop.trace.record import record_graph_step
+
+    graph = lower(build_template(Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated",
+                                      microbatches=2)))
+    start = np.arange(len(graph), dtype=np.int64) * 10
+    end = start + 5
+    compute = graph.compute_nodes()
+    assert int(end.argmax()) not in compute  # the reduction ends last
+    trace = TraceBuilder()
+    ends = [record_graph_step(trace, graph, start, end, step=i, offset_ns=1000 * i, step_ns=900, samples=4)
+            for i in range(2)]
+    assert ends == [int(end[compute].max())] * 2
+    assert [w["name"] for w in trace.workers] == [w.name for w in graph.workers]
+    assert trace.steps[1] == {"step": 1, "start_us": 1.0, "compute_end_us": (1000 + ends[0]) / 1000,
+                              "end_us": 1.9, "samples": 4}
+    assert len(trace.events) == 2 * len(graph)

@@ -36,7 +36,7 @@ from dflop.backends.torch_runtime.progress import read_progress
 from dflop.backends.torch_runtime.worker import TorchOptions
 from dflop.errors import DflopError
 from dflop.jobs import setup as jobs_setup
-from dflop.program.steps import StepRunner
+from dflop.timing.steps import CostedPlan
 from dflop.specs import ClusterSpec, presets
 from dflop.specs.plan import Module, Strategy, place
 from dflop.specs.plan_file import load_plan
@@ -164,7 +164,7 @@ def test_two_nodes_end_with_the_parameters_of_one_launch(config, tmp_path):
     for replica in range(2):  # the premise: the planner's nodes split the pipeline between them
         stages = [place(plan).gpus(Module.LLM, stage, replica) for stage in (0, 1)]
         assert [{s.system.cluster.node_of(g) for g in gpus} for gpus in stages] == [{0}, {1}]
-    one = TorchBackend(options=options, keep_parameters=True, predict=False).run(StepRunner(plan, s.system),
+    one = TorchBackend(options=options, keep_parameters=True, predict=False).run(CostedPlan(plan, s.system),
                                                                                   saved_steps(out))
     params = one.extra["parameters"]
     assert set(params) == set(two_nodes) and params
@@ -265,9 +265,10 @@ def test_a_failed_exchange_names_the_peer_rank_and_its_planned_node():
     import torch
 
     from dflop.backends.torch_runtime.parallel import RankLayout
-    from dflop.backends.torch_runtime.runtime import Clock, StepRun, Worker
+    from dflop.backends.torch_runtime.runtime import Clock, RankStep, RankState
     from dflop.backends.torch_runtime.shapes import StepData
-    from dflop.program.stepgraph import build_workers, lower
+    from dflop.program.lowering import lower
+    from dflop.program.stepgraph import build_workers
     from dflop.program.template import build_template
     from dflop.specs import ModulePlan, Plan
 
@@ -275,9 +276,9 @@ def test_a_failed_exchange_names_the_peer_rank_and_its_planned_node():
     template = build_template(plan)
     graph = lower(template)
     layout = RankLayout.of(build_workers(template), 0)
-    worker = Worker(layout.worker, layout, {}, None, None, torch.device("cpu"), 0, 64, 1024, Strategy(zero=1))
+    worker = RankState(layout.worker, layout, {}, None, None, torch.device("cpu"), 0, 64, 1024, Strategy(zero=1))
     batch = SampleTable.build([f"t{i}" for i in range(8)], [0] * 8, [0] * 8, [16] * 8, [0] * 8)
-    run = StepRun(worker, graph, StepData(plan, batch, np.arange(8) % 4), 3, Clock(torch.device("cpu")),
+    run = RankStep(worker, graph, StepData(plan, batch, np.arange(8) % 4), 3, Clock(torch.device("cpu")),
                   gpus_per_node=2)
     node = graph.labels.index
     lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:13726")

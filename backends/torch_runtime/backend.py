@@ -16,30 +16,32 @@ as they were before.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import threading
 import uuid
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from dflop.backends.base import BackendResult, Observer, ScheduledBatch, StepTimes
-from dflop.backends.sim import SimBackend
+from dflop.backends.base import BackendResult, Observer, ScheduledBatch, ObservedStep, T, get_backend
 from dflop.errors import DflopError
-from dflop.program.steps import StepRunner
+from dflop.timing.steps import CostedPlan
 from dflop.specs.execution import Device, DType
 from dflop.specs.hardware import ClusterSpec
 from dflop.specs.plan import Plan
+from dflop.specs.run import RunConfig
 from dflop.trace.chrome import COMPUTE, OPTIMIZER, TraceBuilder
 from dflop.trace.metrics import metrics
-from dflop.trace.record import record_step, worker_records
+from dflop.trace.record import record_graph_step
 
 from dflop.backends.torch_runtime import checkpoint
 from dflop.backends.torch_runtime.progress import read_progress
@@ -125,19 +127,28 @@ def die_with_agent() -> None:
 @dataclass
 class TorchBackend:
     name = "torch"
+    defaults = "torch"
+    resumable = True
     options: TorchOptions = field(default_factory=TorchOptions)
     keep_parameters: bool = False
     """Return every rank's final parameters (tests compare them with a reference run)."""
     predict: bool = True
     """Also simulate the same steps, for ``predicted_step_time_s`` next to the measured time."""
+    folder: Path | None = None
+    """In a `dflop run` (:meth:`session`), its output folder: each arm (``meta["name"]``)
+    checkpoints in ``checkpoints/<arm>`` there."""
+    planned: bool = False
+    """In a `dflop run`, whether it is planned (and saved: ``--resume`` can continue it)."""
 
-    def run(self, runner: StepRunner, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
+    def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
             meta: dict[str, Any] | None = None) -> BackendResult:
         refuse_unsupported(runner.plan, self.options)
         if under_torchrun():
             check_launch(runner.system.cluster, runner.plan.gpus,
                          torchrun_placement(self.options.device, self.options.timeout_s))
         opts = self.options
+        if self.folder is not None and opts.checkpoint_every:
+            opts = _with(opts, checkpoint_dir=str(self.folder / "checkpoints" / (meta or {})["name"]))
         if opts.resume and opts.checkpoint_dir:
             found = checkpoint.resume_point(Path(opts.checkpoint_dir), len(steps),
                                             checkpoint.identity(opts.seed, runner.plan))
@@ -150,6 +161,61 @@ class TorchBackend:
         if results is None:  # a rank other than 0 under torchrun: rank 0 reports
             return BackendResult({}, metrics({"traceEvents": []}), [], {"rank": int(os.environ["RANK"])})
         return self._report(runner, steps, results, observe, meta)
+
+    # ---- a whole run: torchrun's process group, rank 0 plans and reports, signals -------------------
+
+    @contextmanager
+    def session(self, config: RunConfig, folder: Path, *, where: str, resume: bool) -> Iterator[None]:
+        """The run's device checked, before any work; under torchrun the process group joined (and
+        this rank tied to its agent); the ranks run as ``config.execution`` says (resuming, each arm
+        from its own newest checkpoint); a signal ends the run as an interrupt saying how to go on."""
+        if problem := device_problem(config.execution.device):
+            raise DflopError(f"{where}: execution.device: {problem}")
+        if under_torchrun():
+            import torch.distributed as dist
+
+            die_with_agent()
+            if not dist.is_initialized():
+                dist.init_process_group("gloo" if config.execution.device is Device.CPU else "nccl",
+                                        timeout=datetime.timedelta(seconds=config.execution.timeout_s))
+        spec = config.execution
+        before = self.options, self.folder, self.planned
+        self.options = _with(self.options, **{f.name: getattr(spec, f.name) for f in fields(spec)},
+                             seed=config.seed, resume=resume)
+        self.folder, self.planned = folder, resume
+        try:
+            with _interruptible(folder, lambda: self.planned):
+                yield
+        finally:
+            self.options, self.folder, self.planned = before
+
+    def is_reporting_rank(self) -> bool:
+        """Rank 0 under torchrun; the one process launched here."""
+        return not under_torchrun() or int(os.environ["RANK"]) == 0
+
+    def share(self, value: T) -> T:
+        if not under_torchrun():
+            return value
+        import torch.distributed as dist
+
+        bundle = [value]
+        dist.broadcast_object_list(bundle, src=0)
+        self.planned = True  # what the reporting rank shares is the planned (and saved) run
+        return bundle[0]
+
+    def prepare(self, plans: dict[str, Plan], steps: int, log: Callable[[str], None]) -> None:
+        """Resuming, every arm's checkpoint checked before the first arm trains; otherwise the
+        checkpoints an earlier run left in the folder removed. More CPU ranks than cores: a warning."""
+        assert self.folder is not None, "prepare() runs inside session()"
+        self.planned = True
+        saved = self.folder / "checkpoints"
+        if self.options.resume:
+            for name, plan in plans.items():
+                checkpoint.resume_point(saved / name, steps, checkpoint.identity(self.options.seed, plan))
+        else:
+            _clear_checkpoints(saved, plans, log)
+        if note := crowding(max(plan.gpus for plan in plans.values()), self.options.device):
+            log(f"dflop: warning: {note}")
 
     # ---- launching --------------------------------------------------------------------------------
 
@@ -182,7 +248,7 @@ class TorchBackend:
 
     # ---- reporting --------------------------------------------------------------------------------
 
-    def _report(self, runner: StepRunner, steps: Sequence[ScheduledBatch], results: dict[int, RankResult],
+    def _report(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], results: dict[int, RankResult],
                 observe: Observer | None, meta: dict[str, Any] | None) -> BackendResult:
         from dflop.sim.simulate import trace_meta
 
@@ -193,31 +259,29 @@ class TorchBackend:
         for i in range(first, len(steps)):
             step = runner.step(i, steps[i].batch, steps[i].assignment)
             graph, costs = step.graph, step.costs
-            if i == first:
-                trace.set_workers(worker_records(graph, costs))
             start, end = np.zeros(len(graph), dtype=np.int64), np.zeros(len(graph), dtype=np.int64)
             for w, lead in leads.items():
                 for n, (a, b) in lead.steps[i - first]["nodes"].items():
                     start[n], end[n] = a, b
-            record_step(trace, graph, start, end, step=i, offset_ns=offset, costs=costs)
+            step_ns = max(r.steps[i - first]["end"] for r in results.values())
+            compute_end = record_graph_step(trace, graph, start, end, step=i, offset_ns=offset, step_ns=step_ns,
+                                            costs=costs, samples=len(steps[i].batch))
             for w, lead in leads.items():
                 a, b = lead.steps[i - first]["optimizer"]
                 trace.op(w, COMPUTE, "OPTIMIZER", OPTIMIZER, a + offset, b + offset, {"step": i})
-            step_ns = max(r.steps[i - first]["end"] for r in results.values())
-            compute_end = int(max(end[k] for k in graph.compute_nodes()))
-            trace.step(i, offset, offset + compute_end, offset + step_ns, samples=len(steps[i].batch))
             loss = sum(r.steps[i - first]["loss"] for r in results.values() if r.tp_index == 0)
             graph_ns = max(r.steps[i - first]["optimizer"][0] for r in results.values())
             optimizer_ns = max(b - a for a, b in (r.steps[i - first]["optimizer"] for r in results.values()))
             per_step.append({"step": i, "step_s": step_ns / 1e9, "graph_s": graph_ns / 1e9,
                              "optimizer_s": optimizer_ns / 1e9, "compute_s": compute_end / 1e9, "loss": loss})
             if observe is not None:
-                observe(StepTimes(step, start, end))
+                observe(ObservedStep(step, start, end))
             offset += step_ns
         doc = trace.document()
-        extra: dict[str, Any] = {"losses": [s["loss"] for s in per_step], "first_step": first}
+        extra: dict[str, Any] = {"losses": [s["loss"] for s in per_step], "first_step": first,
+                                 "device": str(self.options.device)}
         if self.predict:
-            predicted = SimBackend(memory=False).run(runner, list(steps)[first:])
+            predicted = get_backend("sim", memory=False).run(runner, list(steps)[first:])
             extra["predicted_step_time_s"] = [s["step_s"] for s in predicted.steps]
             extra["predicted_trace"] = predicted.trace
         if self.keep_parameters:
@@ -330,3 +394,47 @@ def _failure_message(exc: Any, progress: Path) -> tuple[str, str]:
     line = (f"rank {rank} died{at} (exit code {failure.exitcode}); every other rank was stopped"
             + (f": {message.splitlines()[0]}" if message and "To enable traceback" not in message else ""))
     return line, details
+
+
+def _clear_checkpoints(folder: Path, arms: Iterable[str], log: Callable[[str], None]) -> None:
+    """Remove the checkpoints (``<arm>/step-NNNNNN``) an earlier run left in ``folder`` for these
+    arms, so that a resume of this run sees its own alone; any other file stays."""
+    found = [p for arm in arms for p in (folder / arm).glob("step-*")
+             if checkpoint.STEP.fullmatch(p.name) and p.is_dir()]
+    try:
+        for d in found:
+            shutil.rmtree(d)
+    except OSError as exc:
+        raise DflopError(f"{exc.filename}: cannot remove what an earlier run left ({exc.strerror})") from None
+    if found:
+        log(f"dflop: {folder}: removed the checkpoints an earlier run left there ({len(found)})")
+
+
+@contextmanager
+def _interruptible(folder: Path, planned: Callable[[], bool]) -> Iterator[None]:
+    """SIGTERM stops the run as Ctrl-C does, and either ends it as a KeyboardInterrupt whose message
+    says where the run can be resumed from (every rank has been stopped by then: the launcher's
+    agent stops them on the signal). Under torchrun its agent owns the signals: a rank keeps the
+    default SIGTERM, which ends it at once even inside a collective, where a Python handler waits."""
+    main = threading.current_thread() is threading.main_thread() and not under_torchrun()
+    before = signal.signal(signal.SIGTERM, _terminated) if main else None
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        raise KeyboardInterrupt(_interrupted(folder, str(exc) or "SIGINT", planned())) from None
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def _interrupted(folder: Path, by: str, planned: bool) -> str:
+    """The line an interrupted run ends with: what stopped it and how to go on."""
+    if not planned:
+        return f"the torch run was stopped by {by} before it started training"
+    saved = sorted(folder.glob("checkpoints/*/step-*/" + checkpoint.META))
+    kept = f"its checkpoints are in {folder / 'checkpoints'}" if saved else "it saved no checkpoint"
+    return f"the torch run was stopped by {by}, every process with it; {kept}; `--resume {folder}` continues it"

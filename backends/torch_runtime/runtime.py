@@ -79,7 +79,7 @@ class Clock:
 
 
 @dataclass
-class Worker:
+class RankState:
     """What one rank holds across steps: its stage modules, its layout, its groups."""
 
     graph_worker: int
@@ -104,10 +104,10 @@ class Worker:
 
 
 @dataclass
-class StepRun:
+class RankStep:
     """One step on one rank: walk the worker's nodes, keeping what forwards leave for backwards."""
 
-    w: Worker
+    w: RankState
     graph: StepGraph
     data: StepData
     step: int
@@ -148,10 +148,32 @@ class StepRun:
     def replica(self, worker: int | None = None) -> int:
         return self.graph.workers[self.w.graph_worker if worker is None else worker].replica
 
+    def handlers(self) -> dict[Kind, Callable[[int, Node], None]]:
+        """One handler per node kind, as torch's ``_step_microbatches`` dispatches its actions: a
+        compute or collective node waits for the receives it reads and is timed; a send is timed
+        from its start; a receive is posted (its end is marked when its consumer waits for it).
+        OVERLAP_F_B has none: the step graph holds its halves as two nodes."""
+        after_inputs = {Kind.F: self.forward, Kind.B: self.backward, Kind.I: self.backward, Kind.W: self.weight,
+                        Kind.REDUCE_GRAD: self.reduce_grad, Kind.UNSHARD: self.sharded, Kind.RESHARD: self.sharded}
+        table = {kind: self._timed(run, wait=True) for kind, run in after_inputs.items()}
+        for kind in Kind:
+            if kind.is_send:
+                table[kind] = self._timed(self.send, wait=False)
+            elif kind.is_recv:
+                table[kind] = self.receive
+        return table
+
+    def _timed(self, run: Callable[[int, Node], None], wait: bool) -> Callable[[int, Node], None]:
+        def timed(n: int, node: Node) -> None:
+            if wait:
+                self.wait_inputs(n)
+            start = self.clock.mark()
+            run(n, node)
+            self.times.append((n, start, self.clock.mark()))
+        return timed
+
     def run(self) -> None:
-        handlers: dict[Kind, Callable[[int, Node], None]] = {
-            Kind.F: self.forward, Kind.B: self.backward, Kind.I: self.backward, Kind.W: self.weight,
-            Kind.REDUCE_GRAD: self.reduce_grad, Kind.UNSHARD: self.sharded, Kind.RESHARD: self.sharded}
+        handlers = self.handlers()
         for n in self.graph.order[self.w.graph_worker]:
             node = self.graph.nodes[n]
             if self.progress is not None:
@@ -159,18 +181,9 @@ class StepRun:
             if self.fail[0] == self.graph.labels[n]:
                 self.inject_failure()
             try:
-                if node.kind.is_send:
-                    start = self.clock.mark()
-                    self.send(n, node)
-                elif node.kind.is_recv:
-                    self.recv_marks[n] = self.clock.mark()
-                    self.post_receive(n, node)
-                    continue  # its end is marked when its consumer waits for it
-                else:
-                    self.wait_inputs(n)
-                    start = self.clock.mark()
-                    handlers[node.kind](n, node)
-                self.times.append((n, start, self.clock.mark()))
+                if node.kind not in handlers:
+                    raise DflopError(f"the torch runtime has no handler for {node.kind.value} nodes")
+                handlers[node.kind](n, node)
             except ActionFailed:
                 raise
             except Exception as exc:  # noqa: BLE001 - named, then re-raised for the launcher
@@ -304,6 +317,10 @@ class StepRun:
         if node.kind is Kind.RECV_F:
             return self.hidden_shape(module, stage, k, self.replica())
         return self.hidden_shape(module, stage + 1, k, self.replica())  # RECV_B: gradient of our output
+
+    def receive(self, n: int, node: Node) -> None:
+        self.recv_marks[n] = self.clock.mark()
+        self.post_receive(n, node)
 
     def post_receive(self, n: int, node: Node) -> None:
         buf = torch.empty(self.peer_tensor_shape(node), device=self.w.device, dtype=self.dtype)

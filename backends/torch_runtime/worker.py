@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dflop.backends.torch_runtime.cpu_process import set_up_cpu_process
-from dflop.program.dpcomm import shard_degree
-from dflop.program.routing import step_routes
+from dflop.timing.dpcomm import shard_degree
 from dflop.program.schedules import splits_backward
-from dflop.program.stepgraph import build_workers, lower
+from dflop.program.lowering import lower_step
+from dflop.program.stepgraph import build_workers
 from dflop.program.template import Template, build_template
 from dflop.specs.execution import Device, ExecutionSpec
 from dflop.specs.models import MLLMSpec
@@ -35,7 +35,7 @@ from dflop.backends.torch_runtime.progress import ProgressFile
 from dflop.backends.torch_runtime.recompute import block_runner
 from dflop.backends.torch_runtime.parallel import (Groups, RankLayout, fully_shard_stage, make_optimizer,
                                                    tensor_parallel)
-from dflop.backends.torch_runtime.runtime import Clock, StepRun, Worker
+from dflop.backends.torch_runtime.runtime import Clock, RankStep, RankState
 from dflop.backends.torch_runtime.shapes import StepData
 
 
@@ -109,7 +109,7 @@ def named_parameters(stages: dict[int, nn.Module], encoder: nn.Module | None,
     return out
 
 
-def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[Worker, Groups, Template, Any, dict]:
+def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[RankState, Groups, Template, Any, dict]:
     plan, model, opts = payload.plan, payload.model, payload.options
     template = build_template(plan)
     layout = RankLayout.of(build_workers(template), rank)
@@ -133,7 +133,7 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[Worker, G
         if plan.strategy.runs_as_fsdp2 and mp.dp > 1:
             fully_shard_stage(module, groups.fsdp_mesh(gw.module, shards),
                               reshard_after_forward=plan.strategy.reshards_after_forward)
-    worker = Worker(layout.worker, layout, stages, encoder, dp_mesh.get_group(), device, opts.seed,
+    worker = RankState(layout.worker, layout, stages, encoder, dp_mesh.get_group(), device, opts.seed,
                     model.encoder.image_size, model.llm.vocab, plan.strategy)
     optimizer = make_optimizer(worker.parameters(), plan.strategy, worker.dp_group, opts)
     info = {"tied": tied, "gw": gw, "dtype": dtype}
@@ -147,7 +147,7 @@ def _llm_end_groups(template: Template):  # noqa: ANN202 - (Group, Group)
     return (next(g for g in llm if 0 in g.stages), next(g for g in llm if last_stage in g.stages))
 
 
-def _sync_tied_embedding(worker: Worker, groups: Groups, template: Template, gw) -> None:  # noqa: ANN001
+def _sync_tied_embedding(worker: RankState, groups: Groups, template: Template, gw) -> None:  # noqa: ANN001
     """The embedding (first LLM stage) and the head (last LLM stage) are one matrix: their gradients
     are added, on the rank when it holds both (V placement), across ranks otherwise."""
     from dflop.backends.torch_runtime.parallel import local
@@ -187,10 +187,10 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     progress = ProgressFile(Path(opts.progress_dir), rank) if opts.progress_dir else None
     for step in range(start, len(payload.batches)):
         batch, assignment = payload.batches[step], payload.assignments[step]
-        graph = lower(template, step_routes(payload.plan, batch, assignment))
+        graph = lower_step(template, batch, assignment)
         data = StepData(payload.plan, batch, assignment)
         clock = Clock(device)
-        run = StepRun(worker, graph, data, step, clock, dtype=info["dtype"],
+        run = RankStep(worker, graph, data, step, clock, dtype=info["dtype"],
                       hidden={Module.LLM: model.llm.hidden, Module.ENCODER: model.encoder.hidden},
                       patches=model.encoder.patches_per_tile)
         if opts.fail_at[0] == step and rank == 0:

@@ -80,9 +80,11 @@ def profile() -> None:
 
 @profile.command("data")
 @click.option("--dataset", type=click.Path(path_type=Path),
-              help="Manifest (LLaVA, ShareGPT/LLaMA-Factory/ms-swift or InternVL; JSON or JSON lines) or dataset "
-                   "list (LLaVA-NeXT data YAML, InternVL meta JSON).")
-@click.option("--format", "fmt", type=click.Choice(["auto", "llava", "sharegpt", "internvl", "data-yaml",
+              help="Manifest (LLaVA, ShareGPT/LLaMA-Factory/ms-swift, InternVL, transformers-style content lists, "
+                   "MiniCPM-V, Mantis or preference pairs; JSON or JSON lines) or dataset list (LLaVA-NeXT data "
+                   "YAML, InternVL meta JSON).")
+@click.option("--format", "fmt", type=click.Choice(["auto", "llava", "sharegpt", "internvl", "content-list",
+                                                    "minicpm-v", "mantis", "preference", "data-yaml",
                                                     "meta-json"]), default="auto", show_default=True,
               help="What --dataset is (detected when auto).")
 @click.option("--preset", help="Synthetic mix: llava-ov, image-heavy, video-heavy, text-only.")
@@ -110,12 +112,12 @@ def profile_data(dataset: Path | None, fmt: str, preset: str | None, samples: in
     """Record the per-sample shapes of a dataset or a synthetic mix."""
     from dataclasses import replace
 
-    from dflop.specs.models import EncoderSpec
+    from dflop.specs.resolve import encoder_spec
     from dflop.workload import profile_dataset, profile_mix
 
     if (dataset is None) == (preset is None):
         raise click.UsageError("give exactly one of --dataset and --preset")
-    enc = EncoderSpec.coerce(encoder, "--encoder")
+    enc = encoder_spec(encoder, "--encoder")
     if video_newline is not None:
         enc = replace(enc, tiling=replace(enc.tiling, video_newline=video_newline))
     if preset is not None:
@@ -483,9 +485,18 @@ def simulate(config: Path | None, plan_path: Path | None, gpus: int | None, node
     emit(data, as_json, human)
 
 
+def backend_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """--backend: a backend of the registry (any case), read when the command runs."""
+    from dflop.backends.base import BACKENDS
+
+    if value.strip().lower() not in BACKENDS:
+        raise click.BadParameter(f"{value!r} is not one of {', '.join(repr(b) for b in BACKENDS)}.", ctx, param)
+    return value
+
+
 @cli.command()
 @click.option("--config", type=click.Path(path_type=Path), help="Run config (default: the embedded one of the backend).")
-@click.option("--backend", type=click.Choice(["sim", "torch"], case_sensitive=False), default="sim", show_default=True,
+@click.option("--backend", default="sim", show_default=True, callback=backend_name,
               help="sim: the SimPy simulator on the cost model; torch: trains the models for real on local "
                    "processes it spawns (or under torchrun), each step timed next to the simulator's prediction.")
 @click.option("--plan", "plan_path", type=click.Path(path_type=Path),
@@ -503,69 +514,48 @@ def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | N
         steps: int | None, error: float | None, out: Path, resume: Path | None, as_json: bool) -> None:
     """Plan, schedule every step and execute it: simulated (sim), or trained for real (torch); compare with the
     strongest baseline (with --plan: the same plan on arrival-order batches)."""
+    from dflop.backends.base import get_backend
     from dflop.cli.progress import progress_bar
+    from dflop.jobs.run import run as run_
 
     planned = plan_file(plan_path)
-    if backend.lower() == "torch":
-        from dflop.jobs import train
-
-        with progress_bar() as progress:
-            data = train.run(config, steps=steps, out=out, resume=resume, progress=progress,
-                             plan_file=planned, gpus=gpus, nodes=nodes)
-        if data is not None:  # under torchrun only rank 0 reports
-            emit(data, as_json, _torch_human)
-        return
-    if resume is not None:
-        raise click.UsageError("--resume continues a torch run; add --backend torch")
-    from dflop.backends import get_backend
-    from dflop.jobs import run as sim_run
-    from dflop.jobs.setup import setup
-
-    s = setup(config, gpus=gpus, nodes=nodes, plan_file=planned)
-    ensure_writable_folder(out, "output")
     with progress_bar() as progress:
-        data = sim_run.run(s, steps=steps or s.config.steps, out=out, progress=progress, noise=error,
-                           backend=get_backend(backend))
-
-    def human(r: dict[str, Any]) -> str:
-        b, d = r["baseline"], r["decomposition"] or {}
-        lines = [
-            f"{r['model']} on {r['gpus']} x {r['hardware']}, {r['data']}, global batch {r['global_batch']}, {r['steps']} steps",
-            f"dflop     {r['plan']['describe']} ({r['batching']} bins)",
-            f"          step {r['step_time_s']['mean']:.3f} s, {r['throughput_samples_per_s']:.1f} samples/s, "
-            f"MFU {_pct(r['mfu'])}, HFU {_pct(r['hfu'])}, bubbles {r['bubble_fraction']:.1%}, {_idle(r)}",
-            f"baseline  {b['space']} / {b['batching']}: {b['plan']['describe']}",
-            f"          step {b['step_time_s']['mean']:.3f} s, {b['throughput_samples_per_s']:.1f} samples/s, "
-            f"MFU {_pct(b['mfu'])}, HFU {_pct(b['hfu'])}, bubbles {b['bubble_fraction']:.1%}, {_idle(b)}",
-            f"speedup   {r['speedup']:.2f}x simulated" + (f" = plan gain {d['plan_gain']:.2f}x x balance gain "
-                                                       f"{d['balance_gain']:.2f}x" if d else "")
-            + f" (the optimizer expected {r['expected']['speedup']:.2f}x)"]
-        e = r["prediction_error"]
-        if e:
-            lines.append(f"          {e['speedup']:.2f}x expected at {e['sigma']:.0%} per-sample prediction error "
-                         f"({e['source']})")
-        lines += [f"warning: {w}" for w in r["warnings"]]
-        lines.append(f"timeline  {r['artifacts']['timeline']}")
-        return "\n".join(lines)
-
-    emit(data, as_json, human)
+        data = run_(get_backend(backend), config, steps=steps, out=out, resume=resume, progress=progress,
+                    plan_file=planned, gpus=gpus, nodes=nodes, noise=error)
+    if data is not None:  # under torchrun only rank 0 reports
+        emit(data, as_json, _run_human)
 
 
-def _torch_human(r: dict[str, Any]) -> str:
-    def line(name: str, x: dict[str, Any]) -> list[str]:
-        return [f"{name:<9} {x['plan']['describe']}" + (f" ({x['batching']} bins)" if "batching" in x else ""),
-                f"          measured step {x['step_time_s']['mean']:.3f} s = step graph {x['graph_time_s']['mean']:.3f} s "
-                f"+ optimizer {x['optimizer_time_s']['mean']:.3f} s; predicted graph "
-                f"{x['predicted_step_time_s']['mean']:.3f} s ({x['prediction_error']:+.1%} after step 1)",
-                f"          {x['throughput_samples_per_s']:.1f} samples/s, MFU {_pct(x['mfu'])}, bubbles "
-                f"{x['bubble_fraction']:.1%}, {_idle(x)}, loss {x['losses'][0]:.4f} -> {x['losses'][-1]:.4f}"]
+def _run_human(r: dict[str, Any]) -> str:
+    """The run in a few lines; where the backend trains, each arm's measured step split into step
+    graph and optimizer, and its losses."""
+    def arm(name: str, x: dict[str, Any], rule: str) -> list[str]:
+        lines = [f"{name:<9} {rule}{x['plan']['describe']} ({x['batching']} bins)",
+                 f"          step {x['step_time_s']['mean']:.3f} s, {x['throughput_samples_per_s']:.1f} samples/s, "
+                 f"MFU {_pct(x['mfu'])}, HFU {_pct(x['hfu'])}, bubbles {x['bubble_fraction']:.1%}, {_idle(x)}"]
+        if "graph_time_s" in x:
+            lines.append(f"          measured step = step graph {x['graph_time_s']['mean']:.3f} s + optimizer "
+                         f"{x['optimizer_time_s']['mean']:.3f} s; predicted graph "
+                         f"{x['predicted_step_time_s']['mean']:.3f} s ({x['measured_prediction_error']:+.1%} after step 1)")
+        if "losses" in x:
+            lines.append(f"          loss {x['losses'][0]:.4f} -> {x['losses'][-1]:.4f}")
+        return lines
 
-    lines = [f"{r['model']} on {r['gpus']} {r['device']} processes (torch), {r['data']}, global batch "
-             f"{r['global_batch']}, {r['steps']} steps"] + line("dflop", r)
-    if "baseline" in r:
-        lines += line("baseline", r["baseline"])
-        lines.append(f"speedup   {r['speedup']:.2f}x measured ({r['predicted_speedup']:.2f}x predicted)")
-    lines.append(f"timeline  {r['artifacts']['timeline']} (measured above, predicted below)")
+    b, d = r["baseline"], r["decomposition"] or {}
+    trained = "losses" in r
+    where = f"{r['plan_gpus']} {r['device']} processes ({r['backend']})" if trained else f"{r['gpus']} x {r['hardware']}"
+    lines = [f"{r['model']} on {where}, {r['data']}, global batch {r['global_batch']}, {r['steps']} steps"]
+    lines += arm("dflop", r, "") + arm("baseline", b, f"{b['space']}: ")
+    lines.append(f"speedup   {r['speedup']:.2f}x {'measured' if trained else 'simulated'}"
+                 + (f" = plan gain {d['plan_gain']:.2f}x x balance gain {d['balance_gain']:.2f}x" if d else "")
+                 + " (" + (f"{r['predicted_speedup']:.2f}x predicted; " if trained else "")
+                 + f"the optimizer expected {r['expected']['speedup']:.2f}x)")
+    e = r["prediction_error"]
+    if e:
+        lines.append(f"          {e['speedup']:.2f}x expected at {e['sigma']:.0%} per-sample prediction error "
+                     f"({e['source']})")
+    lines += [f"warning: {w}" for w in r["warnings"]]
+    lines.append(f"timeline  {r['artifacts']['timeline']}")
     return "\n".join(lines)
 
 

@@ -20,8 +20,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TextIO
 
-Progress = Callable[[str, int, int], None]
-"""``progress(what, done, total)``: ``done`` of ``total`` units of the work called ``what``."""
 Describe = Callable[[str], str]
 
 PERIOD_S = 5.0

@@ -94,7 +94,7 @@ def state_bytes(params: float, tp: int, dp: int, zero: int, training: TrainingSp
     return weights, grads, optimizer
 
 
-def layer_params(model: MLLMSpec, module: str) -> int:
+def layer_params(model: MLLMSpec, module: Module) -> int:
     return F.vit_layer_params(model.encoder) if module == Module.ENCODER else F.llm_layer_params(model.llm)
 
 

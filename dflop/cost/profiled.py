@@ -313,9 +313,5 @@ class ProfiledCostModel:
         return StageCost(fwd + comm, bwd - weight + comm, weight, act, ref.flops, ref.transient_bytes,
                          ref.recompute_flops)
 
-    def prediction_error(self) -> float:
-        """Per-sample relative error to expect: the median error on held-out measured shapes."""
-        return float(holdout_error(self.records, self.fits)["median"])
-
     def holdout_error(self) -> dict[str, float]:
         return holdout_error(self.records, self.fits)

@@ -10,12 +10,12 @@ answers it can drive them.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Literal, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
 from dflop.specs.models import MLLMSpec
-from dflop.specs.plan import Recompute
+from dflop.specs.plan import Module, Recompute
 from dflop.workload.sample import SampleTable
 
 Array = Any
@@ -25,7 +25,7 @@ Array = Any
 class StageSpec:
     """One pipeline stage of one module on one tensor-parallel group."""
 
-    module: Literal["encoder", "llm"]
+    module: Module
     layers: int
     tp: int = 1
     first: bool = False
@@ -36,7 +36,7 @@ class StageSpec:
     """Activation recomputation of its layers (the plan's)."""
 
     @classmethod
-    def of(cls, module: Literal["encoder", "llm"], layers: tuple[int, ...], stage: int, tp: int,
+    def of(cls, module: Module, layers: tuple[int, ...], stage: int, tp: int,
            recompute: Recompute = Recompute.NONE) -> "StageSpec":
         """Stage ``stage`` of a module split into ``layers`` per stage."""
         return cls(module, layers[stage], tp, first=stage == 0, last=stage == len(layers) - 1,

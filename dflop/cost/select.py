@@ -13,6 +13,7 @@ from dflop.cost.protocol import CostModel
 from dflop.cost.store import architecture_mismatch, load_sourced
 from dflop.specs.hardware import HardwareSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import MODULES, Module
 
 
 def select_cost_model(model: MLLMSpec, hardware: HardwareSpec, training: TrainingSpec,
@@ -21,7 +22,7 @@ def select_cost_model(model: MLLMSpec, hardware: HardwareSpec, training: Trainin
     """(cost model, a line saying which and why). Records are matched by model name and then by
     architecture: a profile of a model of the same name but other widths (a config's own
     ``tiny-llm``, 4096 wide) would price it dozens of times too fast, so it is not used."""
-    specs = {"encoder": model.encoder, "llm": model.llm}
+    specs = {Module.ENCODER: model.encoder, Module.LLM: model.llm}
     records, other = [], ""
     for r, where in load_sourced(profiles, warn):
         if r["device"] not in hardware.device_names or r["model"] != specs[r["module"]].name:
@@ -34,7 +35,7 @@ def select_cost_model(model: MLLMSpec, hardware: HardwareSpec, training: Trainin
     for dtype in ("bfloat16", "float32", "float16"):
         mine = [r for r in records if r["dtype"] == dtype]
         covered = {r["module"] for r in mine if r["phase"] == "block"}
-        if covered == {"encoder", "llm"}:
+        if covered == set(MODULES):
             cost = ProfiledCostModel(model, hardware, training, mine, device=mine[0]["device"], dtype=dtype)
             err = cost.holdout_error()
             return cost, (f"cost model: {cost.name}, held-out error median {err['median']:.1%} "
@@ -49,7 +50,7 @@ def prediction_error(cost: CostModel) -> tuple[float, str]:
     """(sigma, where it comes from) of the per-sample cost error to assume for ``cost``: the
     profiled model's median held-out error, or the analytical model's stated default."""
     if isinstance(cost, ProfiledCostModel):
-        sigma = cost.prediction_error()
+        sigma = float(cost.holdout_error()["median"])
         if math.isfinite(sigma) and sigma > 0:
             return sigma, "median held-out error of the profiled model"
     return UNCALIBRATED_ERROR, "stated default for an uncalibrated analytical model"

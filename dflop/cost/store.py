@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 
 from dflop.errors import ensure_writable_folder
 from dflop.specs.loading import NotJson, parse_json, read_text
+from dflop.specs.plan import MODULES, Module
 
 FILENAME = "profile.jsonl"
 KEY_FIELDS = ("device", "module", "model", "dtype", "tp", "phase")
@@ -46,8 +47,8 @@ def tp_comm_of(record: dict[str, Any]) -> TPComm | None:
     return None if record["tp"] == 1 else TPComm(record.get("tp_comm", TPComm.MODELLED.value))
 
 
-ARCHITECTURE = {"llm": ("hidden", "heads", "kv_heads", "ffn", "vocab", "qkv_bias"),
-                "encoder": ("hidden", "heads", "mlp", "image_size", "patch_size", "norm", "qk_norm", "qkv_bias",
+ARCHITECTURE = {Module.LLM: ("hidden", "heads", "kv_heads", "ffn", "vocab", "qkv_bias"),
+                Module.ENCODER: ("hidden", "heads", "mlp", "image_size", "patch_size", "norm", "qk_norm", "qkv_bias",
                             "downsample")}
 """The spec fields a module's figures depend on: the shapes of one block and of the fixed parts. Not
 the name, nor the layer count (the cost model multiplies a block's figures by it), nor the width of
@@ -66,7 +67,7 @@ def measured_architecture(record: dict[str, Any]) -> dict[str, Any] | None:
         return record["arch"]
     from dflop.specs import presets
 
-    kind = "encoders" if record["module"] == "encoder" else "llms"
+    kind = "encoders" if record["module"] == Module.ENCODER else "llms"
     if record["model"] not in presets.names(kind):
         return None
     spec = presets.encoder(record["model"]) if kind == "encoders" else presets.llm(record["model"])
@@ -94,7 +95,7 @@ def _problem(record: Any) -> str | None:
     for name in ("device", "model", "dtype", "phase"):
         if not isinstance(record.get(name), str):
             return f"field '{name}' missing or not a string"
-    if record.get("module") not in ("encoder", "llm"):
+    if record.get("module") not in MODULES:
         return "field 'module' must be 'encoder' or 'llm'"
     if not isinstance(record.get("tp"), int) or record["tp"] < 1:
         return "field 'tp' must be an integer >= 1"

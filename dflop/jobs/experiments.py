@@ -19,14 +19,14 @@ from typing import Iterator
 
 import numpy as np
 
-from dflop.backends.base import BackendResult, ScheduledBatch, StepTimes
+from dflop.backends.base import BackendResult, ScheduledBatch, ObservedStep
 from dflop.backends.observe import feed_correction
 from dflop.backends.sim import SimBackend
 from dflop.cost.correction import CorrectionPolicy, CostCorrection, bucket_of
 from dflop.cost.error import perturb
 from dflop.cost.system import System
-from dflop.program.steps import StepRunner
-from dflop.schedule.step import plan_costs, schedule_batch
+from dflop.timing.steps import CostedPlan
+from dflop.schedule.step import bin_batch, cost_dimensions, plan_costs
 from dflop.specs.plan import Plan
 from dflop.workload.sample import Modality, SampleTable
 
@@ -58,11 +58,10 @@ def correction_study(*, plan: Plan, system: System, batches: Iterator[SampleTabl
                      measure_fraction: float = 0.002) -> CorrectionStudy:
     """Steps of the three schedulers; correcting costs ``measure_fraction`` of a step (timing every
     op); the second solve runs in the background scheduler, off the critical path."""
-    runner = StepRunner(plan, system)
+    runner = CostedPlan(plan, system)
     backend = SimBackend(contention=False, memory=False)
     model, cost = system.model, system.cost
-    modules = ("llm",) if plan.colocated and plan.llm.pp == 1 else (
-        ("llm", "llm") if plan.colocated else ("encoder", "llm"))
+    modules = cost_dimensions(plan)
     correction = CostCorrection()
     policy: CorrectionPolicy | None = None
     study = CorrectionStudy()
@@ -70,10 +69,10 @@ def correction_study(*, plan: Plan, system: System, batches: Iterator[SampleTabl
     def true(batch: SampleTable, step: int) -> SampleTable:
         return perturb(inflate(batch, slowdown), noise, (step, 11))
 
-    def run(batch: SampleTable, step: int, costs: np.ndarray) -> tuple[float, list[StepTimes]]:
+    def run(batch: SampleTable, step: int, costs: np.ndarray) -> tuple[float, list[ObservedStep]]:
         """One step in the true world, scheduled with ``costs``: (seconds, what was observed)."""
-        schedule = schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=time_limit)
-        seen: list[StepTimes] = []
+        schedule = bin_batch(batch, plan, system, costs=costs, solver=solver, time_limit=time_limit)
+        seen: list[ObservedStep] = []
         result: BackendResult = backend.run(runner, [ScheduledBatch(true(batch, step), schedule.assignment)],
                                             observe=seen.append)
         return result.steps[0]["step_s"], seen
@@ -92,8 +91,8 @@ def correction_study(*, plan: Plan, system: System, batches: Iterator[SampleTabl
         if policy is None:
             policy = CorrectionPolicy(overhead_s=measure_fraction * study.predicted[-1])
         if policy.due(step):
-            plain = schedule_batch(batch, plan, costs=predicted, solver=solver, time_limit=time_limit)
-            fixed = schedule_batch(batch, plan, costs=corrected, solver=solver, time_limit=time_limit)
+            plain = bin_batch(batch, plan, system, costs=predicted, solver=solver, time_limit=time_limit)
+            fixed = bin_batch(batch, plan, system, costs=corrected, solver=solver, time_limit=time_limit)
             policy.update(makespan(plain.assignment, corrected) - makespan(fixed.assignment, corrected))
         used = corrected if policy.enabled else predicted
         seconds, seen = run(batch, step, used)

@@ -26,7 +26,7 @@ from enum import Enum
 from typing import Any
 
 from dflop.errors import DflopError, PlanError
-from dflop.program.dpcomm import shard_degree
+from dflop.timing.dpcomm import shard_degree
 from dflop.program.schedules import canonical
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec

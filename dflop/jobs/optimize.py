@@ -10,14 +10,15 @@ from dflop.backends.sim import SimBackend
 from dflop.cost.select import prediction_error
 from dflop.plan.evaluate import BatchPool, Estimate
 from dflop.plan.report import Baseline, OptimizeResult
-from dflop.plan.search import Optimizer, Progress
+from dflop.plan.search import Optimizer
+from dflop.specs.progress import Progress
 from dflop.plan.space import BASELINES, DFLOP
-from dflop.program.steps import StepRunner
+from dflop.timing.steps import CostedPlan
 from dflop.schedule.batching import Batching
 from dflop.specs.plan import Plan
 
 from dflop.jobs.setup import Setup
-from dflop.jobs.steps import bin_batch
+from dflop.schedule.step import bin_batch
 
 
 def confirm_with_simpy(s: Setup, batches_: int = 2) -> Callable[[Plan, Batching], float]:
@@ -28,7 +29,7 @@ def confirm_with_simpy(s: Setup, batches_: int = 2) -> Callable[[Plan, Batching]
     def confirm(plan: Plan, batching: Batching) -> float:
         steps = [ScheduledBatch(pool[i], bin_batch(pool[i], plan, s.system, batching).assignment)
                  for i in range(batches_)]
-        return backend.run(StepRunner(plan, s.system), steps).metrics.step_time_mean
+        return backend.run(CostedPlan(plan, s.system), steps).metrics.step_time_mean
 
     return confirm
 

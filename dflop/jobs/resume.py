@@ -1,10 +1,11 @@
-"""What a torch run saves so that ``--resume`` can continue it, and the checks a resume makes.
+"""What a run saves so that ``--resume`` can continue it, and the checks a resume makes.
 
 The output folder holds one run: each arm's plan (``<arm>.plan.yaml``) and schedules
 (``schedules/<arm>/step-NNNNNN.json``), and ``run.json``: everything a resume must agree with
 (model, data, training, seed, steps, cluster, how the ranks run, the plans, the dflop that made
-it). :func:`resume_run` refuses, naming the field (or the option), whatever contradicts it, and
-any saved schedule or checkpoint that is not this run's; it leaves an arm that finished (its
+it), and what planning found (``planning``: the report's fields that no arm measures). :func:`resume_run`
+refuses, naming the field (or the option), whatever contradicts it, and any saved schedule that
+is not this run's (the backend checks its checkpoints); it leaves an arm that finished (its
 ``<arm>.result.json`` holds its report) as it is, and of a finished run it says so.
 """
 
@@ -19,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from dflop.backends.base import ScheduledBatch
-from dflop.backends.torch_runtime import checkpoint
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
 from dflop.schedule.batching import Batching
@@ -34,7 +34,7 @@ from dflop.jobs.setup import Log, Setup, check_plan, setup
 
 @dataclass
 class Arm:
-    """One of the two runs compared: a plan and its scheduled steps."""
+    """One of the runs compared: a plan and its scheduled steps."""
 
     name: str
     plan: Plan
@@ -47,8 +47,28 @@ class Arm:
 
 
 RUN_FILE = "run.json"
-ARM_NAMES = ("dflop", "baseline")
+ARM_NAMES = ("dflop", "baseline", "baseline_balanced")
+"""dflop's plan with its bins, the strongest baseline with its rule, that baseline's plan with dflop's bins."""
 SCHEDULE = re.compile(r"step-\d{6}\.json")
+
+
+def clear(folder: Path, log: Log) -> None:
+    """Remove what an earlier run left in ``folder`` (record, plans, schedules, results, traces,
+    timeline) before a new run writes its own, so that a resume sees this run's alone; any other
+    file stays (the backend clears what it keeps there: :meth:`Backend.prepare`)."""
+    files = [folder / RUN_FILE, folder / "timeline.png"]
+    for name in ARM_NAMES:
+        files += [folder / f"{name}.{kind}"
+                  for kind in ("plan.yaml", "result.json", "trace.json", "predicted.trace.json")]
+        files += [p for p in (folder / "schedules" / name).glob("step-*.json") if SCHEDULE.fullmatch(p.name)]
+    files = [f for f in files if f.is_file()]
+    try:
+        for f in files:
+            f.unlink()
+    except OSError as exc:
+        raise DflopError(f"{exc.filename}: cannot remove what an earlier run left ({exc.strerror})") from None
+    if files:
+        log(f"dflop: {folder}: removed what an earlier run left there ({len(files)} files)")
 
 
 def save_arm(arm: Arm, out: Path, system: System) -> None:
@@ -169,34 +189,33 @@ def read_run(folder: Path) -> dict[str, Any]:
     run = load_json(path)
     if not isinstance(run, dict) or type(run.get("steps")) is not int or run["steps"] < 1 \
             or not isinstance(run.get("plans"), dict) \
-            or "dflop" not in run["plans"] or not set(run["plans"]) <= set(ARM_NAMES):
-        raise DflopError(f"{path}: not the record of a torch run (expected 'steps' and the 'plans' of "
-                         f"{' and '.join(ARM_NAMES)})")
+            or not {"dflop", "baseline"} <= set(run["plans"]) <= set(ARM_NAMES):
+        raise DflopError(f"{path}: not the record of a run (expected 'steps' and the 'plans' of "
+                         f"{', '.join(ARM_NAMES[:-1])} and maybe {ARM_NAMES[-1]})")
+    if not isinstance(run.get("planning"), dict):
+        raise DflopError(f"{path}: 'planning': missing (an older dflop made the run; start it again)")
     return run
 
 
 def resume_run(config: RunConfig, config_path: Path | None, folder: Path, *, steps: int | None,
-            plan_file: PlanFile | None, gpus: int | None, nodes: int | None,
-            log: Log) -> tuple[Setup, list[Arm]]:
+               plan_file: PlanFile | None, gpus: int | None, nodes: int | None, backend: str,
+               log: Log) -> tuple[Setup, list[Arm], dict[str, Any]]:
     """The run in ``folder``, checked against its record: the config, ``--plan``, ``--steps``, ``--gpus``
-    and ``--nodes`` (when given) agree with it, and it is not finished."""
+    and ``--nodes`` (when given) agree with it, and it is not finished; with what its planning
+    found (``planning``). ``backend``: whose embedded config a run without one ran."""
     run = read_run(folder)
     if all((folder / f"{name}.result.json").exists() for name in run["plans"]):
         raise DflopError(f"{folder}: this run is finished ({run['steps']} of {run['steps']} steps); nothing to resume")
-    config_name = f"the config {config_path}" if config_path else f"the default config ({DEFAULTS['torch']})"
+    config_name = f"the config {config_path}" if config_path else f"the default config ({DEFAULTS[backend]})"
     if plan_file is not None:
         _agree(folder, "plans.dflop", run["plans"]["dflop"], plan_file.plan, f"--plan {plan_file.path} says")
     if config.plan is not None:
         _agree(folder, "plans.dflop", run["plans"]["dflop"], config.plan, f"{config_name} (its plan:) says")
     own = load_plan(_plan_path("dflop", folder))
-    s = setup(config_path, gpus=gpus, nodes=nodes, plan_file=own, backend="torch", log=log)
+    s = setup(config_path, gpus=gpus, nodes=nodes, plan_file=own, backend=backend, log=log)
     says = {"dflop_version": "this dflop is", "steps": "--steps says" if steps else f"{config_name} says",
             "cluster": "--gpus/--nodes say" if gpus or nodes else f"{own.path} says"}
     for key, value in run_record(s, steps or s.config.steps).items():
         _agree(folder, key, run.get(key), value, says.get(key, f"{config_name} says"))
     arms = [load_arm(name, folder, s, run) for name in ARM_NAMES if name in run["plans"]]
-    for arm in arms:  # every checkpoint checked before the first arm trains
-        if arm.measured is None:
-            checkpoint.resume_point(folder / "checkpoints" / arm.name, run["steps"],
-                                    checkpoint.identity(s.config.seed, arm.plan))
-    return s, arms
+    return s, arms, run["planning"]

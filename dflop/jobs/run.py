@@ -1,52 +1,55 @@
-"""`dflop run` on the simulator: dflop's plan against the strongest baseline, each simulated on the
-same batches, with the decomposition of the speedup into plan and balance."""
+"""`dflop run` on any backend of the registry: dflop's plan against the strongest baseline, each
+executed on the same batches, with the decomposition of the speedup into plan and balance.
+
+It plans once (:func:`plan_arms`: dflop's space against the data-blind baselines, with the cost
+model the config selects; with a plan in the config, that plan against itself on arrival order),
+cuts every arm's steps ahead with the one binning function (:func:`dflop.jobs.steps.schedule_steps`),
+saves the arms and the run's record (:mod:`dflop.jobs.resume`: what ``--resume`` needs), executes
+each arm on the backend, and reports every arm next to the simulator's prediction of its very steps.
+
+The output folder holds one run. A new run first removes what an earlier one left there (its
+record, plans, schedules, results and traces; no other file). What a backend needs around the
+whole run (torchrun's process group, rank 0 planning for every rank, signals) is its
+:meth:`~dflop.backends.base.Backend.session`; only its reporting rank plans, saves and reports.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dflop.backends.base import Backend, BackendResult
 from dflop.cost.select import prediction_error
+from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
-from dflop.plan.report import OptimizeResult, implausible, score
-from dflop.plan.search import Progress
+from dflop.plan.report import implausible, score
+from dflop.specs.progress import Progress
 from dflop.schedule.batching import Batching
-from dflop.specs.plan_file import save_plan
+from dflop.specs.loading import save_json
+from dflop.specs.plan_file import PlanFile, save_plan
+from dflop.specs.run import DEFAULTS
+from dflop.timing.steps import CostedPlan
 
 from dflop.jobs.optimize import assess, optimize
 from dflop.jobs.report import gpu_note, optimize_json, plan_summary, step_fields
-from dflop.jobs.setup import Log, Setup, log_to_stderr
-from dflop.jobs.simulate import simulate
+from dflop.jobs.resume import RUN_FILE, Arm, clear, plain, resume_run, run_record, save_arm
+from dflop.jobs.setup import Log, Setup, load_config, log_to_stderr, setup
+from dflop.jobs.steps import schedule_steps
+
+TRAINING_FIELDS = ("losses", "graph_time_s", "optimizer_time_s", "device")
+"""What an arm reports only where its backend trains (the torch backend): the losses, the measured
+step split into step graph and optimizer step, the device. Every other field every backend reports."""
 
 
-def _simulate_arms(s: Setup, result: OptimizeResult, steps: int, out: Path,
-                   backend: Backend | None) -> tuple[dict[str, BackendResult], dict[str, dict[str, Any]]]:
-    """dflop's plan with its bins, the strongest baseline with its own rule and, as the
-    decomposition's middle point, that baseline's plan with dflop's bins (unless that is dflop's
-    plan itself), each on the same batches."""
-    best, strongest = result.best, result.strongest
-    runs = {"dflop": (best.plan, best.batching), "baseline": (strongest.best.plan, strongest.best.batching)}
-    if strongest.balanced is not None and strongest.balanced is not best:
-        runs["baseline_balanced"] = (strongest.best.plan, Batching.BALANCED)
-    sims, infos = {}, {}
-    for name, (plan, batching) in runs.items():
-        sims[name], infos[name] = simulate(s, plan, steps=steps, solver=s.config.scheduler.solver, out=out,
-                                           name=name, deadline=0.5 * best.mean, batching=batching, backend=backend)
-    if strongest.balanced is best:
-        sims["baseline_balanced"] = sims["dflop"]
-    return sims, infos
-
-
-def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, log: Log = log_to_stderr,
-        noise: float | None = None, backend: Backend | None = None) -> dict[str, Any]:
-    """Optimize (with a plan in the config: that plan, against itself on arrival-order batches), then
-    simulate dflop's plan with its bins, the strongest baseline with its own batching rule and that
-    baseline's plan with dflop's bins, on the same batches, on ``backend`` (the simulator by default);
-    compare."""
-    from dflop.viz.timeline import plot_timeline
-
-    ensure_writable_folder(out, "output")
+def plan_arms(s: Setup, steps: int, out: Path, log: Log, progress: Progress | None = None,
+              noise: float | None = None) -> tuple[list[Arm], dict[str, Any]]:
+    """The arms, and what planning found (the report's fields no arm measures). Optimize (with a
+    plan in the config: assess that plan, its baseline the same plan on arrival order); the arms are
+    dflop's plan with its bins, the strongest baseline with its own rule and, as the decomposition's
+    middle point, that baseline's plan with dflop's bins (unless that is dflop's plan itself). Each
+    arm's steps are cut ahead, the arms saved, then the run's record (``run.json``)."""
     if s.config.plan is None:
         log("dflop: searching plans ...")
         result = optimize(s, progress=progress, noise=noise)
@@ -57,37 +60,140 @@ def run(s: Setup, *, steps: int, out: Path, progress: Progress | None = None, lo
         raise DflopError("no baseline plan fits this cluster to compare against: "
                          + "; ".join(f"{b.name}: {b.reason}" for b in result.baselines))
     best, base = result.best, strongest.best
+    solver = s.config.scheduler.solver
+    arms = [Arm("dflop", best.plan, [], solver, best.batching),
+            Arm("baseline", base.plan, [], str(base.batching), base.batching)]
+    if strongest.balanced is not None and strongest.balanced is not best:
+        arms.append(Arm("baseline_balanced", base.plan, [], solver, Batching.BALANCED))
+    infos = {}
+    for arm in arms:
+        arm.plan.validate(s.system.cluster, s.system.model, s.system.training.global_batch)
+        arm.steps, infos[arm.name] = schedule_steps(s, CostedPlan(arm.plan, s.system), steps=steps, solver=solver,
+                                                    deadline=0.5 * best.mean, batching=arm.batching)
+        save_arm(arm, out, s.system)
     log(f"dflop: plan [{best.plan.describe()}] ({best.batching}); strongest baseline {strongest.name} "
         f"[{base.plan.describe()}]")
-    note = gpu_note(best.plan, s.system.cluster.gpus)
-    if note:
+    if note := gpu_note(best.plan, s.system.cluster.gpus):
         log(f"dflop: {note}")
-    sims, infos = _simulate_arms(s, result, steps, out, backend)
-    timeline = plot_timeline(sims["baseline"].trace, out / "timeline.png", compare=sims["dflop"].trace,
-                             labels=(f"strongest baseline ({strongest.name})", "dflop"))
-    plan_file = save_plan(best.plan, out / "plan.yaml", s.system.cluster)
-    batch = s.system.training.global_batch
-    fields = {name: step_fields(sim, batch) for name, sim in sims.items()}
-    time_of = {name: f["step_time_s"]["mean"] for name, f in fields.items()}
     expected = optimize_json(result, s.system.hardware.usable_memory_bytes, prediction_error(s.system.cost)[1])
-    return {
-        "plan": plan_summary(best.plan), "batching": str(best.batching), **fields["dflop"],
-        "baseline": {"space": strongest.space, "batching": str(strongest.batching), "plan": plan_summary(base.plan),
-                     **fields["baseline"]},
+    planning = {
+        "baseline": {"space": strongest.space, "batching": str(strongest.batching)},
         "baselines": expected["baselines"],
-        "speedup": time_of["baseline"] / time_of["dflop"],
-        "decomposition": ({"plan_gain": time_of["baseline_balanced"] / time_of["dflop"],
-                           "balance_gain": time_of["baseline"] / time_of["baseline_balanced"]}
-                          if "baseline_balanced" in time_of else None),
+        "decomposed": strongest.balanced is not None,
         "expected": {"step_time_s": score(best), "baseline_step_time_s": score(base), "speedup": result.speedup,
                      "decomposition": result.decomposition, "ideal_step_time_s": result.ideal_s},
-        "prediction_error": expected["prediction_error"],
-        "warnings": expected["warnings"] + implausible("dflop (simulated)", fields["dflop"]["mfu"], s.system.hardware),
-        "steps": steps, "global_batch": batch, "gpus": s.system.cluster.gpus, "hardware": s.system.hardware.name,
-        "plan_gpus": best.plan.gpus,
-        "model": s.system.model.name,
-        "data": s.data_source, "cost_model": s.system.cost.name, "scheduler": infos["dflop"]["scheduler"],
+        "prediction_error": expected["prediction_error"], "warnings": expected["warnings"],
         "search": {"seconds": result.seconds, "pruning": expected["pruning"], "why": result.why},
-        "artifacts": {"trace": infos["dflop"]["trace"], "baseline_trace": infos["baseline"]["trace"],
-                      "timeline": str(timeline), "plan": str(plan_file)},
+        "scheduler": infos["dflop"], "plan": str(save_plan(best.plan, out / "plan.yaml", s.system.cluster))}
+    save_json(out / RUN_FILE, {**run_record(s, steps), "plans": {arm.name: plain(arm.plan) for arm in arms},
+                               "planning": plain(planning)})
+    return arms, planning
+
+
+def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: Path, resume: Path | None = None,
+        progress: Progress | None = None, plan_file: PlanFile | None = None, gpus: int | None = None,
+        nodes: int | None = None, noise: float | None = None, log: Log = log_to_stderr) -> dict[str, Any] | None:
+    """Plan (or, resuming, read the run in ``resume``), execute every arm on ``backend`` and compare;
+    the JSON of `dflop run` (None on a process that does not report). A plan file (or, resuming,
+    the run's own) brings its plan and the cluster it was made for."""
+    if resume is not None and not backend.resumable:
+        raise DflopError(f"--resume {resume}: the {backend.name} backend keeps no checkpoints to continue from "
+                         "(--resume continues a run of a backend that does: --backend torch)")
+    config = load_config(config_path, backend.defaults)
+    folder = resume or out
+    with backend.session(config, folder, where=str(config_path or DEFAULTS[backend.defaults]),
+                         resume=resume is not None):
+        bundle = None
+        if backend.is_reporting_rank():
+            ensure_writable_folder(folder, "output")
+            if resume is not None:
+                s, arms, planning = resume_run(config, config_path, resume, steps=steps, plan_file=plan_file,
+                                               gpus=gpus, nodes=nodes, backend=backend.defaults, log=log)
+            else:
+                s = setup(config_path, gpus=gpus, nodes=nodes, plan_file=plan_file, backend=backend.defaults, log=log)
+                clear(folder, log)  # once the run's inputs are known good: a refused run removes nothing
+                arms, planning = plan_arms(s, steps or s.config.steps, folder, log, progress, noise)
+            backend.prepare({arm.name: arm.plan for arm in arms if arm.measured is None}, len(arms[0].steps), log)
+            bundle = (s.system, arms, planning, s.data_source)
+        system, arms, planning, source = backend.share(bundle)
+        for arm in arms:
+            if arm.measured is not None:  # finished before this resume
+                continue
+            result = backend.run(CostedPlan(arm.plan, system), arm.steps, meta={"name": arm.name, "solver": arm.solver})
+            if backend.is_reporting_rank():
+                arm.measured = _measured(result, system.training.global_batch, arm.name, folder)
+                save_json(folder / f"{arm.name}.result.json", arm.measured)
+        if not backend.is_reporting_rank():
+            return None
+        return report(backend, system, arms, planning, folder, source)
+
+
+def measured_prediction_error(predicted: list[float], measured: list[float]) -> float:
+    """Relative error of the predicted step graph time against the measured one, over the steps
+    after the first (which pays one-time costs: allocation, gloo connections, lazy init). The
+    optimizer step is not in the step graph, so it is measured and reported apart."""
+    later = slice(1, None) if len(measured) > 1 else slice(None)
+    return float(np.mean(predicted[later]) / np.mean(measured[later]) - 1)
+
+
+def _measured(result: BackendResult, global_batch: int, name: str, out: Path) -> dict[str, Any]:
+    """One arm's report: its step metrics, each step's time next to the simulator's prediction of
+    it, and its trace (with the prediction's, where the backend is not the simulator itself)."""
+    from dflop.trace.chrome import save_trace
+
+    predicted = list(result.extra["predicted_step_time_s"])
+    trace = str(save_trace(result.trace, out / f"{name}.trace.json"))
+    fields = step_fields(result, global_batch)
+    fields["step_time_s"]["each"] = [s["step_s"] for s in result.steps]
+    fields["predicted_step_time_s"] = {"mean": float(np.mean(predicted)), "each": predicted}
+    graph = [s.get("graph_s", s["step_s"]) for s in result.steps]
+    fields["measured_prediction_error"] = measured_prediction_error(predicted, graph)
+    if "graph_s" in result.steps[0]:
+        fields["graph_time_s"] = {"mean": float(np.mean(graph)), "each": graph}
+        fields["optimizer_time_s"] = {"mean": float(np.mean([s["optimizer_s"] for s in result.steps]))}
+    for key in ("losses", "device"):
+        if key in result.extra:
+            fields[key] = result.extra[key]
+    fields["steps"] = len(result.steps)
+    fields["artifacts"] = {"trace": trace, "predicted_trace": str(save_trace(
+        result.extra["predicted_trace"], out / f"{name}.predicted.trace.json")) if "predicted_trace" in result.extra
+        else trace}
+    return fields
+
+
+def report(backend: Backend, system: System, arms: list[Arm], planning: dict[str, Any], out: Path,
+           source: str) -> dict[str, Any]:
+    """The JSON of the run from each arm's report (``Arm.measured``) and what planning found, with
+    the timeline of the strongest baseline's arm above dflop's."""
+    from dflop.trace.chrome import load_trace
+    from dflop.viz.timeline import plot_timeline
+
+    by_name = {arm.name: arm for arm in arms}
+    mine, theirs = by_name["dflop"].measured, by_name["baseline"].measured
+    middle = by_name.get("baseline_balanced", by_name["dflop"] if planning["decomposed"] else None)
+    time_of = {name: arm.measured["step_time_s"]["mean"] for name, arm in by_name.items()}
+    base = planning["baseline"]
+    timeline = plot_timeline(load_trace(out / "baseline.trace.json"), out / "timeline.png",
+                             compare=load_trace(out / "dflop.trace.json"),
+                             labels=(f"strongest baseline ({base['space']} / {base['batching']})", "dflop"))
+    data = {
+        "backend": backend.name, "plan": plan_summary(by_name["dflop"].plan), "batching": str(by_name["dflop"].batching),
+        **mine,
+        "baseline": {**base, "plan": plan_summary(by_name["baseline"].plan), **theirs},
+        "baselines": planning["baselines"],
+        "speedup": time_of["baseline"] / time_of["dflop"],
+        "predicted_speedup": theirs["predicted_step_time_s"]["mean"] / mine["predicted_step_time_s"]["mean"],
+        "decomposition": None if middle is None else {
+            "plan_gain": middle.measured["step_time_s"]["mean"] / time_of["dflop"],
+            "balance_gain": time_of["baseline"] / middle.measured["step_time_s"]["mean"]},
+        "expected": planning["expected"], "prediction_error": planning["prediction_error"],
+        "warnings": planning["warnings"] + implausible(f"dflop ({backend.name})", mine["mfu"], system.hardware),
+        "global_batch": system.training.global_batch, "gpus": system.cluster.gpus,
+        "hardware": system.hardware.name, "plan_gpus": by_name["dflop"].plan.gpus, "model": system.model.name,
+        "data": source, "cost_model": system.cost.name, "scheduler": planning["scheduler"], "search": planning["search"],
     }
+    data["artifacts"] = {**mine["artifacts"], "baseline_trace": theirs["artifacts"]["trace"],
+                         "timeline": str(timeline), "plan": planning["plan"]}
+    if any((out / "checkpoints" / "dflop").glob("step-*")):
+        data["artifacts"]["checkpoints"] = str(out / "checkpoints" / "dflop")
+    return data

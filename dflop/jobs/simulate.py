@@ -10,7 +10,7 @@ from dflop.backends.base import Backend, BackendResult
 from dflop.backends.sim import SimBackend
 from dflop.errors import DflopError
 from dflop.program.schedules import canonical, stages_per_rank
-from dflop.program.steps import StepRunner
+from dflop.timing.steps import CostedPlan
 from dflop.schedule.batching import Batching
 from dflop.specs.loading import at
 from dflop.specs.plan import Plan
@@ -48,7 +48,7 @@ def simulate(s: Setup, plan: Plan, *, steps: int, solver: str, out: Path, name: 
     writes ``<name>.trace.json``."""
     system = s.system
     plan.validate(system.cluster, system.model, system.training.global_batch)
-    runner = StepRunner(plan, system)
+    runner = CostedPlan(plan, system)
     scheduled, scheduler = schedule_steps(s, runner, steps=steps, solver=solver, deadline=deadline,
                                           batching=batching)
     result = (backend or SimBackend()).run(runner, scheduled, meta={"name": name, "solver": solver})

@@ -1,50 +1,25 @@
-"""The bins of every step: one global batch cut for a plan (dflop's solver or a baseline's rule),
-and a run's steps scheduled ahead in the background."""
+"""A run's steps, each global batch cut into bins (:func:`dflop.schedule.step.bin_batch`) ahead of
+training, in the background."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
 
 from dflop.backends.base import ScheduledBatch
-from dflop.cost.system import System
-from dflop.program.evaluate import evaluate
-from dflop.program.steps import StepRunner
+from dflop.timing.evaluate import evaluate
+from dflop.timing.steps import CostedPlan
 from dflop.schedule.background import AsyncScheduler
-from dflop.schedule.batching import Batching, assign, synchronised
-from dflop.schedule.step import StepSchedule, plan_costs, schedule_batch
-from dflop.specs.plan import Plan
+from dflop.schedule.batching import Batching
+from dflop.schedule.step import StepSchedule, bin_batch
 from dflop.workload.data_profile import batches
 from dflop.workload.sample import SampleTable
 
 from dflop.jobs.setup import Setup
 
 
-def rule_assignment(plan: Plan, batch: SampleTable, batching: Batching) -> np.ndarray:
-    """A baseline rule's bins of ``batch`` for ``plan``."""
-    return assign(batching, batch, plan.llm.dp, plan.microbatches)
-
-
-def bin_batch(batch: SampleTable, plan: Plan, system: System, batching: Batching = Batching.BALANCED, *,
-              solver: str = "greedy", time_limit: float = 0.5, backend: str = "cbc",
-              evaluate: Callable[[np.ndarray], float] | None = None) -> StepSchedule:
-    """The bins of one global batch for ``plan``: dflop's (``solver`` on the cost model's per-sample
-    costs, candidate orders timed by ``evaluate``, the data-parallel ranks' microbatches kept in
-    step), or a baseline's ``batching`` rule. Every job cuts its batches here, so that what the
-    optimizer confirms, what a run schedules and what a torch run trains are the same bins."""
-    if batching is not Batching.BALANCED:
-        ids = tuple(str(i) for i in batch.ids)
-        return StepSchedule(ids, rule_assignment(plan, batch, batching), plan.llm.dp, plan.microbatches,
-                            order=str(batching))
-    costs = plan_costs(batch, plan, system.model, system.cost)
-    schedule = schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=time_limit, backend=backend,
-                              evaluate=evaluate)
-    return replace(schedule, assignment=synchronised(plan, schedule.assignment, costs))
-
-
-def assigner(s: Setup, runner: StepRunner, solver: str,
+def assigner(s: Setup, runner: CostedPlan, solver: str,
              batching: Batching = Batching.BALANCED) -> Callable[[SampleTable], StepSchedule]:
     """The scheduler of a step: the configured solver, with candidate microbatch orders timed by
     the fast evaluator; or a baseline's batching rule."""
@@ -59,7 +34,7 @@ def assigner(s: Setup, runner: StepRunner, solver: str,
     return assign_
 
 
-def schedule_steps(s: Setup, runner: StepRunner, *, steps: int, solver: str, deadline: float | None = None,
+def schedule_steps(s: Setup, runner: CostedPlan, *, steps: int, solver: str, deadline: float | None = None,
                    batching: Batching = Batching.BALANCED) -> tuple[list[ScheduledBatch], dict[str, Any]]:
     """The first ``steps`` global batches, each partitioned ahead in the background (the solver under
     a deadline, the LPT heuristic when it is late), or cut by a baseline's rule."""

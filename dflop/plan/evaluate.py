@@ -31,17 +31,17 @@ from dflop.cost.protocol import CostModel, StageSpec, WorkShape
 from dflop.cost.system import System
 from dflop.errors import InfeasibleError
 from dflop.program.actions import Kind
-from dflop.program.evaluate import evaluate, summarize
-from dflop.program.steps import StepRunner
+from dflop.timing.evaluate import evaluate, summarize
+from dflop.timing.steps import CostedPlan
 from dflop.program.template import plan_groups
-from dflop.schedule.batching import Batching, assign, synchronised
+from dflop.schedule.batching import Batching
 from dflop.schedule.heuristics import lpt
 from dflop.schedule.improve import improve
 from dflop.schedule.problem import Partition, PartitionProblem, finish
-from dflop.schedule.step import plan_costs, schedule_batch
+from dflop.schedule.step import bin_batch, plan_costs
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
-from dflop.specs.plan import Plan
+from dflop.specs.plan import Module, Plan
 from dflop.workload.sample import SampleTable
 
 QUICK_GAP = 1e-3
@@ -201,7 +201,7 @@ class Evaluator:
         self.mean_targets = float(data.targets.mean())
         self.max_tokens = float(data.llm_tokens.max())
         self.max_tiles = float(data.tiles.max())
-        self._runners: dict[Plan, StepRunner] = {}
+        self._runners: dict[Plan, CostedPlan] = {}
         self._blind: dict[tuple, tuple[float, float]] = {}
         self._rules: dict[tuple, np.ndarray] = {}
         self._whole: dict[tuple, np.ndarray] = {}
@@ -235,7 +235,7 @@ class Evaluator:
         """Bins of pool batch i under a baseline rule (they depend on the bin grid only)."""
         key = (batching, i, plan.llm.dp, plan.microbatches)
         if key not in self._rules:
-            self._rules[key] = assign(batching, self.pool[i], plan.llm.dp, plan.microbatches)
+            self._rules[key] = bin_batch(self.pool[i], plan, self.p.system, batching).assignment
         return self._rules[key]
 
     # ---- lower bound ----------------------------------------------------------------------------
@@ -262,18 +262,18 @@ class Evaluator:
             layers = plan.stage_layers(g.module, model)
             work = sum(self._whole_batch(StageSpec.of(g.module.value, layers, s, g.tp, rc), n) for s in g.stages)
             if plan.strategy.carries_encoder(g.module, g.stages):
-                work = work + self._whole_batch(StageSpec("encoder", model.encoder.layers, g.tp, first=True,
+                work = work + self._whole_batch(StageSpec(Module.ENCODER, model.encoder.layers, g.tp, first=True,
                                                           last=True, recompute=rc), n)
             ranks.append(work / g.replicas)
         return float(np.mean(np.max(np.stack(ranks), axis=0)))
 
     # ---- evaluation -----------------------------------------------------------------------------
 
-    def runner(self, plan: Plan) -> StepRunner:
+    def runner(self, plan: Plan) -> CostedPlan:
         if plan not in self._runners:
             if len(self._runners) > 64:
                 self._runners.pop(next(iter(self._runners)))
-            self._runners[plan] = StepRunner(plan, self.p.system)
+            self._runners[plan] = CostedPlan(plan, self.p.system)
         return self._runners[plan]
 
     def assignment(self, plan: Plan, i: int, batching: Batching,
@@ -288,8 +288,8 @@ class Evaluator:
             else:  # within a baseline's largest bins: from its own bins when LPT finds no room
                 start = self.rule_bins(within, i, plan)
                 caps, partitioner = np.array(self.worst_bins(plan, within)), lambda p: quick(p, start)
-            schedule = schedule_batch(batch, plan, costs=costs, caps=caps, partitioner=partitioner)
-            assignment, loads = synchronised(plan, schedule.assignment, costs), schedule.partition.loads
+            schedule = bin_batch(batch, plan, self.p.system, costs=costs, caps=caps, partitioner=partitioner)
+            assignment, loads = schedule.assignment, schedule.partition.loads
         else:
             assignment = self.rule_bins(batching, i, plan)
             loads = np.stack([np.bincount(assignment, weights=costs[:, d], minlength=plan.bins)

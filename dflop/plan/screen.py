@@ -21,12 +21,12 @@ from dflop.cost.overlap import bucket_lag
 from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.plan.evaluate import Evaluator, inflight_by_stage
 from dflop.program.actions import Kind
-from dflop.program.costing import group_state
-from dflop.program.dpcomm import GroupComm, fsdp_op, group_comm
-from dflop.program.schedules import canonical, splits_backward
+from dflop.timing.costing import group_state
+from dflop.timing.dpcomm import GroupComm, fsdp_op, group_comm
 from dflop.program.template import plan_groups
 from dflop.schedule.batching import Batching
-from dflop.specs.plan import Module, Plan
+from dflop.specs.plan import MODULES, Module, Plan
+from dflop.specs.schedule_kinds import DUAL_PIPE_V, ZBV_ZERO_BUBBLE, schedule_facts
 
 Shape = tuple[float, float, float, float, float]
 """A WorkShape's fields, hashable for the cache."""
@@ -40,7 +40,7 @@ class Screen:
     estimate: float
 
 
-def dp_group(plan: Plan, module: str, stage: int) -> list[int]:
+def dp_group(plan: Plan, module: Module, stage: int) -> list[int]:
     """GPUs of the data-parallel group of tensor-parallel rank 0 of a pipeline rank, as ``place``
     lays them out (encoder first, then the LLM; replicas side by side, stages apart)."""
     mp = plan.module(module)
@@ -53,15 +53,15 @@ def closed_form(plan: Plan, virtual: int, rank_time: list[float], rank_f: list[f
     """The schedule's step time with unequal ranks (per microbatch: ``rank_time`` in all, forward
     ``rank_f``, input gradients ``rank_i``, weight gradients ``rank_w``): the closed forms of
     ``benchmarks/bench_schedules.py``, a V rank's stage taking half its rank's time."""
-    m, bottleneck, name = plan.microbatches, max(rank_time), canonical(plan.schedule)
+    m, bottleneck, kind = plan.microbatches, max(rank_time), schedule_facts(plan.schedule)
     fill = list(zip(rank_f, rank_i, rank_w))[:-1]  # every rank but the last
-    if name == "ZBVZeroBubble":  # only the fill idles
+    if kind is ZBV_ZERO_BUBBLE:  # only the fill idles
         return m * bottleneck + sum(f for f, _, _ in fill) / 2
-    if name == "DualPipeV":  # ZB1P's with one stage's times, plus the forward of each pair held
+    if kind is DUAL_PIPE_V:  # ZB1P's with one stage's times, plus the forward of each pair held
         return m * bottleneck + sum(2 * f + i - w for f, i, w in fill) / 2
     if virtual > 1:
         return (m + (plan.llm.pp - 1) / virtual) * bottleneck
-    if splits_backward(name):
+    if kind.splits_backward:
         return m * bottleneck + sum(f + i - w for f, i, w in fill)
     return (m - 1) * bottleneck + sum(rank_time)
 
@@ -85,7 +85,7 @@ class Screener:
                                 float(np.max(c.transient_bytes)))
         return self._times[key]
 
-    def _group_state(self, plan: Plan, layers: dict, module: str, stages: tuple[int, ...], tp: int) -> tuple[float, float]:
+    def _group_state(self, plan: Plan, layers: dict, module: Module, stages: tuple[int, ...], tp: int) -> tuple[float, float]:
         mp = plan.module(module)
         key = (module, layers[module], stages, tp, mp.dp, plan.zero, plan.hsdp, plan.fp32_grads, plan.placement)
         if key not in self._state:
@@ -93,7 +93,7 @@ class Screener:
                                            self.p.cluster.gpus_per_node)
         return self._state[key]
 
-    def _group_comm(self, plan: Plan, module: str, stage: int, stages: tuple[int, ...],
+    def _group_comm(self, plan: Plan, module: Module, stage: int, stages: tuple[int, ...],
                     params: float) -> GroupComm | None:
         mp = plan.module(module)
         key = (module, stage, stages, params, mp.tp, mp.dp, plan.zero, plan.hsdp, plan.fp32_grads, plan.placement,
@@ -122,7 +122,7 @@ class Screener:
                 c = self._stage(spec, (1, chunk_cap, 0, 0) if module == Module.ENCODER else cap)
                 a, t = c[3], c[4]
                 if plan.strategy.carries_encoder(module, (s,)):
-                    enc = StageSpec("encoder", model.encoder.layers, spec.tp, first=True, last=True,
+                    enc = StageSpec(Module.ENCODER, model.encoder.layers, spec.tp, first=True, last=True,
                                     recompute=plan.recompute)
                     e = self._stage(enc, (per_bin, tiles_cap, 0, 0))
                     a, t = a + e[3], max(t, e[4])
@@ -138,7 +138,7 @@ class Screener:
         per stage at the moments that may peak)."""
         p, ev = self.p, self.ev
         model, hw = p.model, p.cluster.hardware
-        layers = {"encoder": plan.stage_layers("encoder", model), "llm": plan.stage_layers("llm", model)}
+        layers = {m: plan.stage_layers(m, model) for m in MODULES}
         colocated = plan.colocated
         groups = plan_groups(plan)
         virtual = plan.virtual_stages if colocated else 1
@@ -155,12 +155,12 @@ class Screener:
             for s, spec in zip(stages, specs):
                 t = self._stage(spec, (1, chunk_avg, 0, 0, 0) if module == Module.ENCODER else avg)
                 if module == Module.LLM:
-                    parts["llm"] = t
+                    parts[Module.LLM] = t
                     if plan.strategy.carries_encoder(module, (s,)):
-                        enc = StageSpec("encoder", model.encoder.layers, tp, first=True, last=True,
+                        enc = StageSpec(Module.ENCODER, model.encoder.layers, tp, first=True, last=True,
                                         recompute=plan.recompute)
-                        parts["encoder"] = self._stage(enc, (per_bin, avg[1], 0, 0, 0))
-                        t = tuple(x + y for x, y in zip(t, parts["encoder"]))
+                        parts[Module.ENCODER] = self._stage(enc, (per_bin, avg[1], 0, 0, 0))
+                        t = tuple(x + y for x, y in zip(t, parts[Module.ENCODER]))
                 f, i, w = f + t[0], i + t[1], w + t[2]
             rank_time.append(f + i + w)
             rank_f.append(f)

@@ -45,10 +45,9 @@ from dflop.plan.screen import Screener
 from dflop.plan.space import BASELINES, DFLOP, Space, SpaceBuilder
 from dflop.schedule.batching import RULES, Batching
 from dflop.specs.hardware import GIB
-from dflop.specs.plan import Placement, Plan
+from dflop.specs.plan import Module, Placement, Plan
+from dflop.specs.progress import Progress
 
-Progress = Callable[[str, int, int], None]
-"""(what, done, total)."""
 Confirm = Callable[[Plan, Batching], float]
 """(plan, batching) -> simulated step seconds."""
 
@@ -109,8 +108,8 @@ class Optimizer:
         """Proven lower bound of every disaggregated plan giving the encoder ``encoder_gpus`` GPUs:
         each module's whole work on one GPU (the most efficient), spread over its GPUs."""
         model, n = self.p.model, self.first
-        enc = self.ev._whole_batch(StageSpec("encoder", model.encoder.layers, 1, first=True, last=True), n)
-        llm = self.ev._whole_batch(StageSpec("llm", model.llm.layers, 1, first=True, last=True), n)
+        enc = self.ev._whole_batch(StageSpec(Module.ENCODER, model.encoder.layers, 1, first=True, last=True), n)
+        llm = self.ev._whole_batch(StageSpec(Module.LLM, model.llm.layers, 1, first=True, last=True), n)
         return float(np.mean(np.maximum(enc / encoder_gpus, llm / (self.p.cluster.gpus - encoder_gpus))))
 
     def _fitting(self, options: list[Plan], batching: Batching, stats: SearchStats, short: list) -> tuple | None:
@@ -222,8 +221,8 @@ class Optimizer:
 
     def ideal(self) -> float:
         model = self.p.model
-        llm = StageSpec("llm", model.llm.layers, 1, first=True, last=True)
-        enc = StageSpec("encoder", model.encoder.layers, 1, first=True, last=True)
+        llm = StageSpec(Module.LLM, model.llm.layers, 1, first=True, last=True)
+        enc = StageSpec(Module.ENCODER, model.encoder.layers, 1, first=True, last=True)
         whole = self.ev._whole_batch(llm, self.first) + self.ev._whole_batch(enc, self.first)
         return float(np.mean(whole)) / self.p.cluster.gpus
 

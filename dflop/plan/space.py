@@ -41,7 +41,7 @@ from typing import Callable, Iterator
 from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.plan.split import balanced_split, first_last_split
 from dflop.program.schedules import ScheduleKind, schedule_kind, shape_problem
-from dflop.specs.plan import ModulePlan, Placement, Plan, Recompute, even_split
+from dflop.specs.plan import Module, ModulePlan, Placement, Plan, Recompute, even_split
 
 PP_OPTIONS = (1, 2, 3, 4, 6, 8, 12, 16)
 ENCODER_PP_OPTIONS = (1, 2, 3, 4)
@@ -174,29 +174,29 @@ class SpaceBuilder:
                   how: Layers) -> tuple[int, ...]:
         """Layers per LLM stage by ``how``, costed at the average bin; the first stage also runs the
         encoder when ``encoder_tp`` is given (colocated)."""
-        key = ("llm", tp, stages, round(bin_samples, 3), encoder_tp, how)
+        key = (Module.LLM, tp, stages, round(bin_samples, 3), encoder_tp, how)
         if key not in self._splits:
             model = self.p.model
             tokens = bin_samples * self.mean_tokens
             shape = WorkShape(bin_samples, bin_samples * self.mean_tiles, tokens, tokens * self.mean_tokens,
                               bin_samples * self.mean_targets)
-            layer = self._time(StageSpec("llm", 1, tp), shape)
+            layer = self._time(StageSpec(Module.LLM, 1, tp), shape)
             extra = [0.0] * stages
-            extra[-1] += self._time(StageSpec("llm", 1, tp, last=True), shape) - layer
+            extra[-1] += self._time(StageSpec(Module.LLM, 1, tp, last=True), shape) - layer
             if encoder_tp is not None:
-                enc = StageSpec("encoder", model.encoder.layers, encoder_tp, first=True, last=True)
+                enc = StageSpec(Module.ENCODER, model.encoder.layers, encoder_tp, first=True, last=True)
                 extra[0] += self._time(enc, WorkShape(bin_samples, bin_samples * self.mean_tiles))
             self._splits[key] = self._split(model.llm.layers, layer, extra, how)
         return self._splits[key]
 
     def encoder_split(self, tp: int, stages: int, chunk_tiles: float, how: Layers) -> tuple[int, ...]:
-        key = ("encoder", tp, stages, round(chunk_tiles, 3), how)
+        key = (Module.ENCODER, tp, stages, round(chunk_tiles, 3), how)
         if key not in self._splits:
             shape = WorkShape(1, chunk_tiles)
-            layer = self._time(StageSpec("encoder", 1, tp), shape)
+            layer = self._time(StageSpec(Module.ENCODER, 1, tp), shape)
             extra = [0.0] * stages
-            extra[0] += self._time(StageSpec("encoder", 1, tp, first=True), shape) - layer
-            extra[-1] += self._time(StageSpec("encoder", 1, tp, last=True), shape) - layer
+            extra[0] += self._time(StageSpec(Module.ENCODER, 1, tp, first=True), shape) - layer
+            extra[-1] += self._time(StageSpec(Module.ENCODER, 1, tp, last=True), shape) - layer
             self._splits[key] = self._split(self.p.model.encoder.layers, layer, extra, how)
         return self._splits[key]
 

@@ -23,7 +23,9 @@ from typing import Any, Iterable
 
 from dflop.cost.store import ProfileStore, record_key
 from dflop.errors import DflopError
-from dflop.profile.profiler import Grid, Progress, default_llm, device_name, profile_model, resolve
+from dflop.specs.progress import Progress
+from dflop.profile.profiler import Grid, default_llm, device_name, profile_model, resolve
+from dflop.specs.plan import Module
 
 
 @dataclass(frozen=True)
@@ -97,14 +99,14 @@ def _around(values: set[int], points: int = 1, near: float | None = None) -> tup
     return tuple(ordered[start:start + points])
 
 
-def probe_grid(kind: str, records: list[dict[str, Any]], near: float | None = None) -> Grid:
+def probe_grid(kind: Module, records: list[dict[str, Any]], near: float | None = None) -> Grid:
     """POINTS sizes of the grid the records were measured on (holdouts aside), centred on the one
     nearest ``near`` (LLM tokens or encoder tiles per microbatch; default the middle of the grid), every
     part at each; LLM blocks packed at the middle per-sample length measured at the centre size."""
     blocks = [r["shape"] for r in records if r["phase"] == "block" and not r.get("holdout")]
     if not blocks:
         raise DflopError(f"profile of {records[0]['model']}: no block records to measure again")
-    if kind == "llm":
+    if kind == Module.LLM:
         tokens = _around({s["tokens"] for s in blocks}, POINTS, near)
         centre = tokens[(len(tokens) - 1) // 2]
         seq = _around({s["seq"] for s in blocks if s["tokens"] == centre})
@@ -129,11 +131,11 @@ def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cp
     processes, threads = Counter(_measured_by(r) for r in mine).most_common(1)[0][0]
     mine = [r for r in mine if _measured_by(r) == (processes, threads)]
     tps = tuple(sorted({r["tp"] for r in mine if processes == 1 or processes % r["tp"] == 0}))
-    grid = probe_grid(kind, [r for r in mine if r["tp"] == tps[0]], tokens if kind == "llm" else tiles)
+    grid = probe_grid(kind, [r for r in mine if r["tp"] == tps[0]], tokens if kind == Module.LLM else tiles)
     stored = {record_key(r): r for r in mine}
     with tempfile.TemporaryDirectory(prefix="dflop-drift-") as tmp:
         profile_model(spec.name, tmp, device=device, dtype=dtype, tps=tps, grid=grid, repeats=repeats,
-                      llm=(llm or default_llm(spec.name)) if kind == "encoder" else None, processes=processes,
+                      llm=(llm or default_llm(spec.name)) if kind == Module.ENCODER else None, processes=processes,
                       threads=threads, progress=progress, again=False)
         now = ProfileStore.in_dir(tmp).read()
     shapes = tuple(Remeasured(stored[record_key(r)], total_ms(r))

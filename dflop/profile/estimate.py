@@ -17,6 +17,7 @@ from dflop.profile.profiler import GRIDS, MIN_SAMPLE_MS, PROBES, REPEATS, WARMUP
 from dflop.specs import presets
 from dflop.specs.hardware import HardwareSpec
 from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import Module
 
 WARN_S = 600.0
 """Estimates above this many seconds come with a warning."""
@@ -30,8 +31,8 @@ class Estimate:
     """Forward FLOPs of the grid's largest block."""
 
 
-def _forward_flops(kind: str, spec, pair: MLLMSpec | None, phase: str, shape: dict[str, int], tp: int) -> float:
-    if kind == "llm":
+def _forward_flops(kind: Module, spec, pair: MLLMSpec | None, phase: str, shape: dict[str, int], tp: int) -> float:
+    if kind == Module.LLM:
         tokens, seq = shape["tokens"], shape.get("seq", 0)
         if phase == "block":
             full, rest = divmod(tokens, seq)
@@ -50,7 +51,7 @@ def profile_estimate(name: str, hardware: HardwareSpec, *, device: str = "cpu", 
     """Seconds that ``dflop profile model`` needs for every shape of the grid (less what a store has)."""
     kind, spec = resolve(name)
     chosen = GRIDS[grid or ("gpu" if device == "cuda" else "cpu")]
-    pair = MLLMSpec(encoder=spec, llm=presets.llm(llm or default_llm(spec.name))) if kind == "encoder" else None
+    pair = MLLMSpec(encoder=spec, llm=presets.llm(llm or default_llm(spec.name))) if kind == Module.ENCODER else None
     samples = PROBES + WARMUP + (repeats or REPEATS[device])
     floor = 3 * MIN_SAMPLE_MS[device] / 1e3
     seconds, shapes, largest = 0.0, 0, 0.0

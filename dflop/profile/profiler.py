@@ -81,6 +81,8 @@ from dflop.models.parallel import shard_unit, split_blocks
 from dflop.models.vit import PatchEmbed, Projector, VisionBlock
 from dflop.specs import presets
 from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
+from dflop.specs.plan import Module
+from dflop.specs.progress import Progress
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIN_SAMPLE_MS = {"cpu": 20.0, "cuda": 1.0}
@@ -92,7 +94,6 @@ UNIT_REPEATS = 3
 PROBES = 2
 """Runs before the warm-up whose times are not recorded: a cold one, which also measures the
 activation memory, and a warm one that sizes the inner loop."""
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -115,12 +116,12 @@ GRIDS = {
 }
 
 
-def resolve(name: str) -> tuple[str, EncoderSpec | LLMSpec]:
+def resolve(name: str) -> tuple[Module, EncoderSpec | LLMSpec]:
     key = name.strip().lower()
     if key in presets.names("encoders"):
-        return "encoder", presets.encoder(key)
+        return Module.ENCODER, presets.encoder(key)
     if key in presets.names("llms"):
-        return "llm", presets.llm(key)
+        return Module.LLM, presets.llm(key)
     known = presets.names("encoders") + presets.names("llms")
     raise DflopError(f"unknown model '{name}' (known: {', '.join(known)})")
 
@@ -297,7 +298,7 @@ class _Head(nn.Module):
         return F.cross_entropy(wide(self.head(self.norm(x))), target)
 
 
-def jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: Grid, dtype: torch.dtype,
+def jobs(kind: Module, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: Grid, dtype: torch.dtype,
          device: str, mesh: Any = None) -> Iterator[tuple[str, dict[str, int], bool, Callable[[], nn.Module],
                                                          Callable[[], tuple]]]:
     """(phase, shape, holdout, module factory, input factory) of everything to measure.
@@ -323,7 +324,7 @@ def jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: 
             return module
         return split
 
-    if kind == "llm":
+    if kind == Module.LLM:
         h, vocab = spec.hidden, shard(spec.vocab, width, "vocabulary entries")
         shapes = [(t, s, False) for t in grid.tokens for s in grid.seq if s <= t]
         shapes = sorted(shapes + [(t, s, True) for t, s in grid.holdout_llm])
@@ -351,7 +352,7 @@ def jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, grid: 
                lambda n=tiles: (tensor(n, side * side, spec.hidden),))
 
 
-def fsdp_jobs(kind: str, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, grid: Grid, dtype: torch.dtype, device: str,
+def fsdp_jobs(kind: Module, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, grid: Grid, dtype: torch.dtype, device: str,
               shards: int, mesh: Any = None) -> Iterator[tuple[str, dict[str, int], bool, Callable[[], nn.Module],
                                                                 Callable[[], tuple]]]:
     """Every FSDP2 unit to measure over ``shards`` processes (``mesh``, when measuring): the block and
@@ -391,7 +392,7 @@ class ProfileReport:
 class Request:
     """A `profile model` request with every option checked, before anything is said or measured."""
 
-    kind: str
+    kind: Module
     spec: EncoderSpec | LLMSpec
     pair: MLLMSpec | None
     dtype: str
@@ -418,7 +419,7 @@ def check_request(name: str, out: str | Path, *, device: str = "cpu", dtype: str
                              f"must be a multiple of it (got {processes})")
     kind, spec = resolve(name)
     pair = None
-    if kind == "encoder":
+    if kind == Module.ENCODER:
         pair = MLLMSpec(encoder=spec, llm=presets.llm(llm or default_llm(spec.name), where="--llm"))
     elif llm is not None:
         raise DflopError(f"--llm {llm}: applies only when profiling an encoder (it sets the projector's "

@@ -16,6 +16,7 @@ before it), and a sub-action may use an earlier sibling's output.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable
 
 import networkx as nx
 
@@ -63,23 +64,27 @@ def _split(program: Program) -> set[tuple[int, int]]:
             if a.kind is Kind.I}
 
 
-def _deps(program: Program, a: Action, split: set[tuple[int, int]]) -> list[Action]:
-    """Actions that must finish before ``a`` may start (data dependencies only)."""
-    s, k, last = a.stage, a.microbatch, program.stages - 1
-    lowered = program.lowered
+def data_deps(a: Action, last: int, split: set[tuple[int, int]],
+              received: Callable[[int, int], bool] = lambda stage, source: False) -> list[Action]:
+    """Actions that must finish before ``a`` may start (data dependencies only): the one rule of
+    what an action needs. ``last`` is the last stage; ``received(stage, source)`` says that
+    ``stage`` gets what ``source`` makes through a receive (in a lowered program), so it waits for
+    the RECV instead.
+
+    Dependencies are read at three levels, each derived from the one below: here, on the actions
+    of a program (checked before it is laid over replicas, and possibly read from torch's CSV with
+    its sends and receives); on template ops (``template.waits_for``: the same edges as op
+    indices, which the fast evaluator walks vectorised over replicas); and on step-graph nodes
+    (``StepGraph.deps``: communication explicit, what the runtimes and the other evaluators read)."""
+    s, k = a.stage, a.microbatch
     if a.kind is Kind.F:
         if s == 0:
             return []
-        if lowered and program.stage_to_rank[s - 1] != program.stage_to_rank[s]:
-            return [Action(s, Kind.RECV_F, k)]
-        return [Action(s - 1, Kind.F, k)]
+        return [Action(s, Kind.RECV_F, k)] if received(s, s - 1) else [Action(s - 1, Kind.F, k)]
     if a.kind in (Kind.B, Kind.I):
         deps = [Action(s, Kind.F, k)]
         if s < last:
-            if lowered and program.stage_to_rank[s + 1] != program.stage_to_rank[s]:
-                deps.append(Action(s, Kind.RECV_B, k))
-            else:
-                deps.append(_backward_of(s + 1, k, split))
+            deps.append(Action(s, Kind.RECV_B, k) if received(s, s + 1) else _backward_of(s + 1, k, split))
         return deps
     if a.kind is Kind.W:
         return [Action(s, Kind.I, k)]
@@ -90,6 +95,13 @@ def _deps(program: Program, a: Action, split: set[tuple[int, int]]) -> list[Acti
     if a.kind is Kind.SEND_B:
         return [_backward_of(s, k, split)]
     return [Action(s + 1, Kind.SEND_B, k)]  # RECV_B
+
+
+def _deps(program: Program, a: Action, split: set[tuple[int, int]]) -> list[Action]:
+    owner = program.stage_to_rank
+    if program.lowered:
+        return data_deps(a, program.stages - 1, split, lambda stage, source: owner[stage] != owner[source])
+    return data_deps(a, program.stages - 1, split)
 
 
 def _backward_of(stage: int, k: int, split: set[tuple[int, int]]) -> Action:

@@ -75,9 +75,7 @@ def _completeness(graph: StepGraph) -> list[str]:
 def dry_run(graph: StepGraph) -> tuple[list[int], list[str]]:
     """Run with blocking sends; returns each worker's progress and, if stuck, what each waits for."""
     nodes = graph.nodes
-    recv_of = {s: r for s, r in enumerate(graph.matching) if r >= 0 and nodes[s].kind.is_send}
-    dry = Rendezvous([n.kind for n in nodes], [n.worker for n in nodes], [list(ids) for ids in graph.order],
-                     graph.deps, recv_of, graph.collectives)
+    dry = Rendezvous.of(graph)
     waits = []
     for w in dry.run(hoist=False):
         n = graph.order[w][dry.cursor[w]]
@@ -85,7 +83,7 @@ def dry_run(graph: StepGraph) -> tuple[list[int], list[str]]:
         if node.kind.is_collective:
             why = "the other members"
         elif node.kind.is_send and all(dry.done[d] for d in graph.deps[n]):
-            why = f"w{node.peer} to post {nodes[recv_of[n]].label}"
+            why = f"w{node.peer} to post {nodes[graph.matching[n]].label}"
         else:
             why = ", ".join(f"{nodes[d].label}@w{nodes[d].worker}" for d in graph.deps[n] if not dry.done[d])
         waits.append(f"w{w} waits at {node.label} for {why}")

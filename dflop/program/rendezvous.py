@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from dflop.program.actions import Kind
+from dflop.program.stepgraph import StepGraph
 
 
 @dataclass
@@ -29,13 +30,22 @@ class Rendezvous:
     """Per node: its worker."""
     order: list[list[int]]
     """Per worker: node ids in order (hoisting edits it in place)."""
-    inputs: Sequence[Sequence[int]]
+    deps: Sequence[Sequence[int]]
+    """Per node: what it waits for (``StepGraph.deps``)."""
     recv_of: dict[int, int]
     """Send -> its receive."""
     collectives: Sequence[Sequence[int]]
     done: list[bool] = field(init=False)
     posted: list[bool] = field(init=False)
     cursor: list[int] = field(init=False)
+
+    @classmethod
+    def of(cls, graph: StepGraph) -> "Rendezvous":
+        """A dry run of ``graph``'s order (on a copy: hoisting edits ``order``, never the graph)."""
+        nodes = graph.nodes
+        recv_of = {s: r for s, r in enumerate(graph.matching) if r >= 0 and nodes[s].kind.is_send}
+        return cls([n.kind for n in nodes], graph.worker_of, [list(ids) for ids in graph.order], graph.deps,
+                   recv_of, graph.collectives)
 
     def __post_init__(self) -> None:
         n = len(self.kinds)
@@ -77,7 +87,7 @@ class Rendezvous:
                     self._ready.append(self.worker[m])
             return True
         else:
-            for d in self.inputs[n]:
+            for d in self.deps[n]:
                 if not self.done[d]:
                     return self._wait(w, d)
             if kind.is_send:

@@ -27,6 +27,8 @@ from dflop.errors import DflopError
 from dflop.program.actions import Action, Kind, Program
 from dflop.program.placement import StagePlacement
 from dflop.program.vshape import dual_pipe_v, dual_pipe_v_problem, zbv_zero_bubble
+from dflop.specs import schedule_kinds as table
+from dflop.specs.schedule_kinds import ScheduleFacts, schedule_facts
 
 
 def gpipe(pp: int, m: int) -> Program:
@@ -141,38 +143,46 @@ Builder = Callable[..., Program]
 
 @dataclass(frozen=True)
 class ScheduleKind:
-    name: str
-    """As torch.distributed.pipelining names it."""
+    facts: ScheduleFacts
+    """What the schedule is (:mod:`dflop.specs.schedule_kinds`)."""
     builder: Builder
-    stages_per_rank: int | None
-    """Fixed stages per rank, or None where the schedule takes any number (virtual stages)."""
-    placement: StagePlacement
-    splits_backward: bool
-    """Has separate input- and weight-gradient actions (I and W)."""
     limits: Callable[[int, int, int], str] = lambda pp, m, v: ""
     """Why the builder refuses ``pp`` ranks, ``m`` microbatches and ``v`` stages per rank ('' when
     it takes them), for those it checks beyond the stages per rank."""
 
+    @property
+    def name(self) -> str:
+        return self.facts.name
+
+    @property
+    def stages_per_rank(self) -> int | None:
+        return self.facts.stages_per_rank
+
+    @property
+    def placement(self) -> StagePlacement:
+        return StagePlacement.V if self.facts.v_shape else StagePlacement.LOOP
+
+    @property
+    def splits_backward(self) -> bool:
+        return self.facts.splits_backward
+
 
 SCHEDULES: dict[str, ScheduleKind] = {s.name.lower(): s for s in (
-    ScheduleKind("GPipe", gpipe, 1, StagePlacement.LOOP, False),
-    ScheduleKind("1F1B", one_f_one_b, 1, StagePlacement.LOOP, False),
-    ScheduleKind("Interleaved1F1B", interleaved_1f1b, None, StagePlacement.LOOP, False, rounds_problem),
-    ScheduleKind("LoopedBFS", looped_bfs, None, StagePlacement.LOOP, False),
-    ScheduleKind("InterleavedZeroBubble", interleaved_zero_bubble, None, StagePlacement.LOOP, True, rounds_problem),
-    ScheduleKind("ZBH1", interleaved_zero_bubble, 1, StagePlacement.LOOP, True),
-    ScheduleKind("ZBVZeroBubble", zbv_zero_bubble, 2, StagePlacement.V, True),
-    ScheduleKind("DualPipeV", dual_pipe_v, 2, StagePlacement.V, True, lambda pp, m, v: dual_pipe_v_problem(pp, m)),
+    ScheduleKind(table.GPIPE, gpipe),
+    ScheduleKind(table.ONE_F_ONE_B, one_f_one_b),
+    ScheduleKind(table.INTERLEAVED_1F1B, interleaved_1f1b, rounds_problem),
+    ScheduleKind(table.LOOPED_BFS, looped_bfs),
+    ScheduleKind(table.INTERLEAVED_ZERO_BUBBLE, interleaved_zero_bubble, rounds_problem),
+    ScheduleKind(table.ZBH1, interleaved_zero_bubble),
+    ScheduleKind(table.ZBV_ZERO_BUBBLE, zbv_zero_bubble),
+    ScheduleKind(table.DUAL_PIPE_V, dual_pipe_v, lambda pp, m, v: dual_pipe_v_problem(pp, m)),
 )}
+"""A builder for every schedule of the table, keyed as the table is."""
 
 
 def schedule_kind(name: str) -> ScheduleKind:
     """The registered schedule of that name, case-insensitively (as torch's get_schedule_class)."""
-    key = name.strip().lower()
-    if key not in SCHEDULES:
-        known = ", ".join(v.name for v in SCHEDULES.values())
-        raise DflopError(f"unknown pipeline schedule '{name}' (known: {known})")
-    return SCHEDULES[key]
+    return SCHEDULES[schedule_facts(name).name.lower()]
 
 
 def canonical(name: str) -> str:
@@ -193,18 +203,6 @@ def stages_per_rank(name: str, virtual_stages: int | None = None) -> int:
     """Stages each rank holds: the schedule's fixed number, else ``virtual_stages`` (default 1)."""
     fixed = schedule_kind(name).stages_per_rank
     return fixed if fixed is not None else (virtual_stages or 1)
-
-
-def parameter_copies(name: str) -> int:
-    """On how many ranks of one pipeline each parameter lives: 1 for every schedule here.
-
-    The DualPipe README's "Parameter per device: 2x" for DualPipeV compares with 1F1B at
-    the same number of stages: a V rank holds two of the 2p stages (``stages_per_rank`` is 2),
-    and the memory model already sums the parameters of the stages a rank holds, so nothing
-    is stored twice. Only bidirectional DualPipe (not a torch schedule) keeps every stage on
-    two ranks, i.e. two copies."""
-    schedule_kind(name)
-    return 1
 
 
 def shape_problem(name: str, pp: int, m: int, v: int | None = None) -> str:

@@ -15,7 +15,7 @@ encoder inside LLM stage 0.
 
 An overlapped step ``(F;B)OVERLAP_F_B`` becomes its sub-actions, one op each,
 back to back, marked as a pair (``overlap``); how long the pair takes is the
-cost layer's choice (:mod:`dflop.program.overlap`).
+cost layer's choice (:mod:`dflop.timing.overlap`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Sequence
 
 from dflop.errors import DflopError
 from dflop.program.actions import Action, Kind, Program
-from dflop.program.check import check_program
+from dflop.program.check import check_program, data_deps
 from dflop.program.schedules import build, placement
 from dflop.specs.plan import Module, Plan
 
@@ -124,7 +125,7 @@ def plan_groups(plan: Plan) -> tuple[Group, ...]:
     them (loop, or V: rank r of p holds stages r and 2p-1-r), without building the program: the
     groups :func:`build_template` makes, for the planner's cheap figures."""
     if plan.colocated:
-        ranks, encoder_stages, stages = plan.llm.pp, 0, plan.stages("llm")
+        ranks, encoder_stages, stages = plan.llm.pp, 0, plan.stages(Module.LLM)
     else:
         ranks = stages = plan.encoder.pp + plan.llm.pp
         encoder_stages = plan.encoder.pp
@@ -156,28 +157,16 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
                 pairs.append((index[action.parts[0]], index[action.parts[1]]))
     split = {(a.stage, a.microbatch) for a in index if a.kind is Kind.I}
 
-    def backward(stage: int, k: int) -> int:
-        return index[Action(stage, Kind.I if (stage, k) in split else Kind.B, k)]
-
     ops = []
     for i, (rank, a, prev) in enumerate(flat):
-        s, k = a.stage, a.microbatch
+        s = a.stage
         deps: list[int] = []
         bridge = -1
-        if a.kind is Kind.F and s > 0:
-            if s == encoder_stages:
-                bridge = index[Action(s - 1, Kind.F, k)]
+        for d in data_deps(a, last_stage, split):  # one crossing the encoder-LLM boundary is the bridge
+            if (d.stage < encoder_stages) != (s < encoder_stages):
+                bridge = index[d]
             else:
-                deps.append(index[Action(s - 1, Kind.F, k)])
-        elif a.kind in (Kind.B, Kind.I):
-            deps.append(index[Action(s, Kind.F, k)])
-            if s < last_stage:
-                if s + 1 == encoder_stages:
-                    bridge = backward(s + 1, k)
-                else:
-                    deps.append(backward(s + 1, k))
-        elif a.kind is Kind.W:
-            deps.append(index[Action(s, Kind.I, k)])
+                deps.append(index[d])
         local = s - (0 if s < encoder_stages else encoder_stages)
         ops.append(TemplateOp(i, rank, a, local, prev, tuple(deps), bridge))
     for first, second in pairs:
@@ -191,9 +180,12 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
                     _topological(ops), tuple(last))
 
 
-def _inputs(op: TemplateOp, ops: list[TemplateOp]) -> list[int]:
-    """The ops whose ends op waits for: its predecessor and, through released_by, its data."""
-    return [op.prev] + [ops[d].released_by for d in (op.bridge, *op.deps) if d >= 0]
+def waits_for(op: TemplateOp, ops: Sequence[TemplateOp]) -> tuple[int, tuple[int, ...], int]:
+    """The ops whose ends ``op`` waits for on its replica: its predecessor (-1 for none), the op
+    releasing each of its data dependencies (``released_by``, in ``op.deps`` order), and the op
+    releasing its bridge input (-1 for none). The template-level reading of ``check.data_deps``
+    (see there why there are three levels); the topological order and the fast evaluator use it."""
+    return op.prev, tuple(ops[d].released_by for d in op.deps), ops[op.bridge].released_by if op.bridge >= 0 else -1
 
 
 def _topological(ops: list[TemplateOp]) -> tuple[int, ...]:
@@ -201,7 +193,8 @@ def _topological(ops: list[TemplateOp]) -> tuple[int, ...]:
     succ: list[list[int]] = [[] for _ in ops]
     indegree = [0] * len(ops)
     for op in ops:
-        for d in _inputs(op, ops):
+        prev, data, bridge = waits_for(op, ops)
+        for d in (prev, bridge, *data):
             if d >= 0:
                 succ[d].append(op.index)
                 indegree[op.index] += 1

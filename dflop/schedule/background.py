@@ -15,18 +15,15 @@ never a step solved before it. Batches are taken from the stream by whoever
 needs one first (the worker or ``get``), so a solve that never returns holds
 up no step: the steps after it are served by the fallback, each by its
 deadline. Whatever ``get`` returns is checked to hold every sample of the
-batch exactly once and published to a channel, from which every other rank
-reads the very same schedule. A batch stream that ends or fails, or a fallback
+batch exactly once. A batch stream that ends or fails, or a fallback
 that fails, makes ``get`` raise for that step, never hang.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -42,58 +39,6 @@ Fallback = Callable[[SampleTable], StepSchedule]
 
 class SchedulerError(DflopError):
     """The background scheduler failed; the message says at which step and why."""
-
-
-class Channel(Protocol):
-    def publish(self, step: int, schedule: StepSchedule) -> None: ...
-
-    def read(self, step: int, timeout: float) -> StepSchedule: ...
-
-
-class MemoryChannel:
-    """Schedules shared between threads of one process."""
-
-    def __init__(self) -> None:
-        self._items: dict[int, StepSchedule] = {}
-        self._cond = threading.Condition()
-
-    def publish(self, step: int, schedule: StepSchedule) -> None:
-        with self._cond:
-            self._items[step] = schedule
-            self._cond.notify_all()
-
-    def read(self, step: int, timeout: float) -> StepSchedule:
-        with self._cond:
-            if not self._cond.wait_for(lambda: step in self._items, timeout=timeout):
-                raise SchedulerError(f"no schedule for step {step} after {timeout:g} s")
-            return self._items[step]
-
-
-class FileChannel:
-    """Schedules as JSON files in a shared folder: written once (atomically), read by all ranks."""
-
-    def __init__(self, folder: str | Path, poll: float = 0.01) -> None:
-        self.folder = Path(folder)
-        self.poll = poll
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DflopError(f"{self.folder}: cannot create the schedule folder ({exc.strerror})") from None
-
-    def path(self, step: int) -> Path:
-        return self.folder / f"step-{step:08d}.json"
-
-    def publish(self, step: int, schedule: StepSchedule) -> None:
-        schedule.save(self.path(step))
-
-    def read(self, step: int, timeout: float) -> StepSchedule:
-        path = self.path(step)
-        give_up = time.monotonic() + timeout
-        while not path.exists():
-            if time.monotonic() > give_up:
-                raise SchedulerError(f"{path}: no schedule for step {step} after {timeout:g} s")
-            time.sleep(self.poll)
-        return StepSchedule.from_json(json.loads(path.read_text()), str(path))
 
 
 def check_schedule(batch: SampleTable, schedule: StepSchedule) -> None:
@@ -150,11 +95,10 @@ class AsyncScheduler:
     """Background scheduling of a stream of global batches (use as a context manager)."""
 
     def __init__(self, batches: Iterator[SampleTable], solve: Solve, fallback: Fallback, *,
-                 deadline: float, lookahead: int = 2, channel: Channel | None = None) -> None:
+                 deadline: float, lookahead: int = 2) -> None:
         self.deadline = scheduling.time_limit(deadline, "deadline")
         self.lookahead = scheduling.whole_number(lookahead, "lookahead", 1)
         self._feed, self._solve, self._fallback = _Feed(batches), solve, fallback
-        self.channel = channel or MemoryChannel()
         self._solved: dict[int, StepSchedule] = {}
         self._failed: set[int] = set()
         self._next_get = 0
@@ -235,7 +179,6 @@ class AsyncScheduler:
         self._feed.drop(step)
         if schedule is None:
             schedule = self._fallback_for(step, batch)
-        self.channel.publish(step, schedule)
         return batch, schedule
 
     def _fallback_for(self, step: int, batch: SampleTable) -> StepSchedule:

@@ -13,21 +13,23 @@ stage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from dflop.cost.protocol import CostModel, StageSpec, WorkShape
+from dflop.cost.system import System
 from dflop.errors import DflopError
+from dflop.schedule.batching import Batching, assign, synchronised
 from dflop.schedule.problem import Partition, PartitionProblem
 from dflop.schedule.slots import slot_bins
 from dflop.schedule.solve import partition
 from dflop.specs import scheduling
 from dflop.specs.loading import save_json
 from dflop.specs.models import MLLMSpec
-from dflop.specs.plan import Plan
+from dflop.specs.plan import Module, Plan
 from dflop.workload.sample import SampleTable
 
 DATA_BLIND = ("sequential", "random")
@@ -100,22 +102,31 @@ def _heaviest(cost: CostModel, specs: list[StageSpec], avg: WorkShape, sample: W
     return np.maximum(np.asarray(with_sample.fwd + with_sample.bwd, dtype=float) - best_time, 0.0)
 
 
+def cost_dimensions(plan: Plan) -> tuple[Module, ...]:
+    """The module each column of :func:`plan_costs` mostly measures (colocated, the first column is
+    LLM stage 0 with the encoder inside it)."""
+    if plan.colocated:
+        return (Module.LLM,) if plan.llm.pp == 1 else (Module.LLM, Module.LLM)
+    return (Module.ENCODER, Module.LLM)
+
+
 def plan_costs(batch: SampleTable, plan: Plan, model: MLLMSpec, cost: CostModel) -> np.ndarray:
-    """(samples, dimensions) predicted seconds per sample on each balanced dimension."""
+    """(samples, dimensions) predicted seconds per sample on each balanced dimension
+    (:func:`cost_dimensions`)."""
     tiles = batch.tiles.astype(float)
-    llm_layers = plan.stage_layers("llm", model)
-    llm_specs = [StageSpec.of("llm", llm_layers, i, plan.llm.tp) for i in range(len(llm_layers))]
+    llm_layers = plan.stage_layers(Module.LLM, model)
+    llm_specs = [StageSpec.of(Module.LLM, llm_layers, i, plan.llm.tp) for i in range(len(llm_layers))]
     per_sample = WorkShape.per_sample(batch)
     avg = per_sample.total(plan.bins)
     if plan.colocated:
-        enc = StageSpec("encoder", model.encoder.layers, plan.llm.tp, first=True, last=True)
+        enc = StageSpec(Module.ENCODER, model.encoder.layers, plan.llm.tp, first=True, last=True)
         first = _heaviest(cost, [llm_specs[0]], avg, per_sample) + \
             _heaviest(cost, [enc], WorkShape(avg.samples, avg.tiles), WorkShape(per_sample.samples, tiles))
         if len(llm_specs) == 1:
             return first[:, None]
         return np.stack([first, _heaviest(cost, llm_specs[1:], avg, per_sample)], axis=1)
-    enc_layers = plan.stage_layers("encoder", model)
-    enc_specs = [StageSpec.of("encoder", enc_layers, i, plan.encoder.tp) for i in range(len(enc_layers))]
+    enc_layers = plan.stage_layers(Module.ENCODER, model)
+    enc_specs = [StageSpec.of(Module.ENCODER, enc_layers, i, plan.encoder.tp) for i in range(len(enc_layers))]
     chunks = plan.encoder.dp * plan.microbatches
     enc_avg = WorkShape(len(batch) / chunks, tiles.sum() / chunks)
     enc = _heaviest(cost, enc_specs, enc_avg, WorkShape(np.ones(len(batch)), tiles)) * plan.llm.dp / plan.encoder.dp
@@ -153,3 +164,24 @@ def schedule_batch(batch: SampleTable, plan: Plan, *, costs: np.ndarray, solver:
     slot, used = slot_bins(result.loads, plan.llm.dp, plan.microbatches, encoder_dim=encoder_dim,
                            order=order, evaluate=timed if evaluate is not None else None)
     return StepSchedule(ids, slot[result.assignment], plan.llm.dp, plan.microbatches, result, used)
+
+
+def bin_batch(batch: SampleTable, plan: Plan, system: System, batching: Batching = Batching.BALANCED, *,
+              costs: np.ndarray | None = None, solver: str = "greedy", time_limit: float = 0.5,
+              backend: str = "cbc", caps: np.ndarray | None = None,
+              partitioner: Callable[[PartitionProblem], Partition] | None = None,
+              evaluate: Callable[[np.ndarray], float] | None = None) -> StepSchedule:
+    """The bins of one global batch for ``plan``: dflop's (``solver``, or ``partitioner``, on the
+    per-sample ``costs``, by default the cost model's, candidate orders timed by ``evaluate``, the
+    data-parallel ranks' microbatches kept in step), or a baseline's ``batching`` rule. Every caller
+    cuts its batches here, so that what the optimizer confirms, what a run schedules, what a torch
+    run trains and what a study compares are the same bins."""
+    if batching is not Batching.BALANCED:
+        ids = tuple(str(i) for i in batch.ids)
+        return StepSchedule(ids, assign(batching, batch, plan.llm.dp, plan.microbatches), plan.llm.dp,
+                            plan.microbatches, order=str(batching))
+    if costs is None:
+        costs = plan_costs(batch, plan, system.model, system.cost)
+    schedule = schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=time_limit, backend=backend,
+                              caps=caps, partitioner=partitioner, evaluate=evaluate)
+    return replace(schedule, assignment=synchronised(plan, schedule.assignment, costs))

@@ -12,9 +12,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dflop.errors import SpecError
 from dflop.specs.limits import MAX_GLOBAL_BATCH, MAX_GPUS
-from dflop.specs.loading import at, check_numbers, limit, require
+from dflop.specs.loading import check_numbers, limit, require
 
 GIB = 1024**3
 BYTES = limit(0, 64)
@@ -97,15 +96,6 @@ class HardwareSpec:
         """Seconds to run ``flops`` at the efficiency of units of ``unit_flops`` (default: one unit)."""
         unit = flops if unit_flops is None else unit_flops
         return np.asarray(flops, dtype=float) / (self.peak_flops * self.achieved(unit))
-
-    @classmethod
-    def coerce(cls, value: Any, where: str) -> "HardwareSpec":
-        """A preset name stands for the preset (``hardware: h100``)."""
-        from dflop.specs.presets import hardware
-
-        if not isinstance(value, str):
-            raise SpecError(f"{at(where)}: expected a preset name or a mapping, got {value!r}")
-        return hardware(value, where=where)
 
 
 @dataclass(frozen=True, kw_only=True)

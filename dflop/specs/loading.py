@@ -17,7 +17,7 @@ import stat
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Any, Callable, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
@@ -25,6 +25,11 @@ from dflop.errors import SpecError
 from dflop.specs.limits import MAX_DEPTH, MAX_FILE_BYTES, MAX_FLOAT, MAX_INT
 
 T = TypeVar("T")
+
+Resolve = Callable[[type, Any, str], Any]
+"""``resolve(cls, value, where)``: the spec of type ``cls`` that a plain value (not a mapping) names, or
+None where ``cls`` takes no names. Given by the loader's caller (``dflop.specs.resolve.named_spec``), so
+that the spec modules and this one know no preset and no config file."""
 
 
 def require(condition: bool, message: str) -> None:
@@ -258,8 +263,8 @@ def check_numbers(spec: Any) -> None:
             raise SpecError(f"{f.name}: {problem}")
 
 
-def convert(tp: Any, value: Any, where: str) -> Any:
-    """Convert a plain value to type ``tp``; errors name ``where``."""
+def convert(tp: Any, value: Any, where: str, resolve: Resolve | None = None) -> Any:
+    """Convert a plain value to type ``tp``; errors name ``where``; ``resolve`` reads names of specs."""
     origin = get_origin(tp)
     if tp is Any:
         return value
@@ -271,7 +276,7 @@ def convert(tp: Any, value: Any, where: str) -> Any:
         errors = []
         for option in options:
             try:
-                return convert(option, value, where)
+                return convert(option, value, where, resolve)
             except SpecError as exc:
                 errors.append(str(exc))
         raise SpecError(errors[0])
@@ -308,15 +313,15 @@ def convert(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise SpecError(f"{at(where)}: expected a list, got {_type_name(value)} {shown(value)}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+            return tuple(convert(args[0], v, f"{where}[{i}]", resolve) for i, v in enumerate(value))
         if len(value) != len(args):
             raise SpecError(f"{at(where)}: expected {len(args)} items, got {len(value)}")
-        return tuple(convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        return tuple(convert(a, v, f"{where}[{i}]", resolve) for i, (a, v) in enumerate(zip(args, value)))
     if origin is dict:
         key_t, val_t = get_args(tp)
         if not isinstance(value, dict):
             raise SpecError(f"{at(where)}: expected a mapping, got {_type_name(value)}")
-        return {convert(key_t, k, where): convert(val_t, v, child(where, k)) for k, v in value.items()}
+        return {convert(key_t, k, where, resolve): convert(val_t, v, child(where, k), resolve) for k, v in value.items()}
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp(value)
@@ -326,14 +331,17 @@ def convert(tp: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
-        if not isinstance(value, dict) and hasattr(tp, "coerce"):
-            return tp.coerce(value, where)
-        return from_mapping(tp, value, where)
+        if not isinstance(value, dict) and resolve is not None:
+            named = resolve(tp, value, where)
+            if named is not None:
+                return named
+        return from_mapping(tp, value, where, resolve)
     raise TypeError(f"unsupported spec field type {tp!r}")
 
 
-def from_mapping(cls: type[T], data: Any, where: str) -> T:
-    """Build the frozen dataclass ``cls`` from a mapping, validating every key."""
+def from_mapping(cls: type[T], data: Any, where: str, resolve: Resolve | None = None) -> T:
+    """Build the frozen dataclass ``cls`` from a mapping, validating every key; ``resolve`` reads the
+    nested specs given by name (without it every spec is a mapping)."""
     if not isinstance(data, dict):
         raise SpecError(f"{at(where)}: expected a mapping, got {_type_name(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -347,7 +355,7 @@ def from_mapping(cls: type[T], data: Any, where: str) -> T:
             if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
                 raise SpecError(f"{at(where)}: missing key '{name}'")
             continue
-        kwargs[name] = convert(hints[name], data[name], child(where, name))
+        kwargs[name] = convert(hints[name], data[name], child(where, name), resolve)
         problem = number_problem(kwargs[name], field.metadata)
         if problem:
             raise SpecError(f"{at(child(where, name))}: {problem}")
@@ -370,15 +378,15 @@ def to_mapping(obj: Any) -> Any:
     return obj
 
 
-def load_spec(cls: type[T], path: str | Path, key: str | None = None) -> T:
-    """Load a spec from a YAML file (optionally from one top-level key)."""
+def load_spec(cls: type[T], path: str | Path, key: str | None = None, resolve: Resolve | None = None) -> T:
+    """Load a spec from a YAML file (optionally from one top-level key); ``resolve`` as in from_mapping."""
     data = load_yaml(path)
     where = f"{path}:"
     if key is not None:
         if not isinstance(data, dict) or key not in data:
             raise SpecError(f"{path}: missing key '{key}'")
         data, where = data[key], child(where, key)
-    return from_mapping(cls, data, where)
+    return from_mapping(cls, data, where, resolve)
 
 
 def save_spec(obj: Any, path: str | Path) -> Path:

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
-from dflop.errors import SpecError
 from dflop.specs.limits import MAX_SIZE
-from dflop.specs.loading import at, check_numbers, limit, require
+from dflop.specs.loading import check_numbers, limit, require
 
 SIZE = limit(1, MAX_SIZE)
 """Bounds of an architecture size (layers, widths, heads, tokens)."""
@@ -126,19 +124,6 @@ class EncoderSpec:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    @classmethod
-    def coerce(cls, value: object, where: str) -> "EncoderSpec":
-        """A preset name, or the path of a Hugging Face config.json (SigLIP or InternViT, alone or
-        as a VLM's ``vision_config``), stands for the spec."""
-        from dflop.specs import presets
-
-        if not isinstance(value, str):
-            raise SpecError(f"{at(where)}: expected a preset name, a config.json path or a mapping, "
-                            f"got {value!r}")
-        if value.endswith(".json"):
-            return encoder_from_hf_config(value)
-        return presets.encoder(value, where=where)
-
     @property
     def patches_per_tile(self) -> int:
         """Sequence length of one tile in the encoder (729 for SigLIP-so400m at 384 px)."""
@@ -183,18 +168,6 @@ class LLMSpec:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
-    @classmethod
-    def coerce(cls, value: object, where: str) -> "LLMSpec":
-        """A preset name, or the path of a Hugging Face config.json, stands for the spec."""
-        from dflop.specs import presets
-
-        if not isinstance(value, str):
-            raise SpecError(f"{at(where)}: expected a preset name, a config.json path or a mapping, "
-                            f"got {value!r}")
-        if value.endswith(".json"):
-            return llm_from_hf_config(value)
-        return presets.llm(value, where=where)
-
 
 @dataclass(frozen=True, kw_only=True)
 class MLLMSpec:
@@ -212,17 +185,3 @@ class MLLMSpec:
     def projector_in(self) -> int:
         """Projector input width: encoder hidden times the patches merged by pixel shuffle."""
         return self.encoder.hidden * self.encoder.merge
-
-
-def llm_from_hf_config(path: str | Path, name: str | None = None) -> "LLMSpec":
-    """An LLM spec from a Hugging Face ``config.json`` (see :mod:`dflop.specs.hf_config`)."""
-    from dflop.specs.hf_config import llm_from_hf_config as read
-
-    return read(path, name)
-
-
-def encoder_from_hf_config(path: str | Path, name: str | None = None) -> "EncoderSpec":
-    """An encoder spec from a Hugging Face ``config.json`` (see :mod:`dflop.specs.hf_config`)."""
-    from dflop.specs.hf_config import encoder_from_hf_config as read
-
-    return read(path, name)

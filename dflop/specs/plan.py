@@ -14,6 +14,7 @@ from dflop.errors import PlanError
 from dflop.specs.hardware import ClusterSpec
 from dflop.specs.loading import check_numbers, require
 from dflop.specs.models import MLLMSpec
+from dflop.specs.schedule_kinds import ONE_F_ONE_B, find
 
 
 class Module(str, Enum):
@@ -183,12 +184,12 @@ class Plan:
         and an interleaved schedule with one stage per rank is its plain form. (Whether a schedule
         takes this many stages per rank is the schedule registry's to say when it builds the program.)"""
         out = []
-        name = self.schedule.strip().lower()
-        if self.pipeline_ranks == 1 and (name != "1f1b" or self.virtual_stages > 1):
+        kind = find(self.schedule)  # None: unknown, which the registry says when it builds the program
+        if self.pipeline_ranks == 1 and (kind is not ONE_F_ONE_B or self.virtual_stages > 1):
             out.append(f"one pipeline rank runs {self.schedule}"
                        + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
                        + " as plain gradient accumulation: use 1F1B with one virtual stage")
-        elif name.startswith("interleaved") and self.virtual_stages == 1:
+        elif kind is not None and kind.interleaved and self.virtual_stages == 1:
             out.append(f"{self.schedule} with one virtual stage is not interleaved: use 1F1B or ZBH1")
         if not self.strategy.zero_fits_layout:
             out.append(f"zero {self.zero} is modelled as FSDP and DeepSpeed run it: one colocated stage (pp 1); "

@@ -21,6 +21,7 @@ from dflop.specs.limits import MAX_SAMPLES, MAX_SECONDS, MAX_STEPS
 from dflop.specs.loading import check_numbers, from_mapping, limit, load_yaml
 from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
 from dflop.specs.plan import Plan
+from dflop.specs.resolve import named_spec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,5 +112,5 @@ def load_run_config(path: str | Path | None = None, backend: str = "sim") -> Run
     if path is None:
         name = DEFAULTS[backend]
         text = resources.files("dflop.specs").joinpath(name).read_text()
-        return from_mapping(RunConfig, yaml.safe_load(text), f"{name}:")
-    return from_mapping(RunConfig, _relative_to(Path(path).parent, load_yaml(path)), f"{path}:")
+        return from_mapping(RunConfig, yaml.safe_load(text), f"{name}:", named_spec)
+    return from_mapping(RunConfig, _relative_to(Path(path).parent, load_yaml(path)), f"{path}:", named_spec)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from dflop.specs.plan import Module
 from dflop.trace.chrome import COMPUTE, OPTIMIZER
 
 
@@ -122,8 +123,8 @@ MODULE_GROUP_NAMES = {"encoder": "encoder", "llm": "LLM", "llm+encoder": "LLM st
 
 def module_groups(workers: list[dict[str, Any]]) -> list[str]:
     """The module each worker's GPUs serve: its own, or "llm+encoder" for a colocated first LLM stage."""
-    colocated = not any(w.get("module") == "encoder" for w in workers)
-    return ["llm+encoder" if colocated and w.get("module", "llm") == "llm" and w.get("rank") == 0
+    colocated = not any(w.get("module") == Module.ENCODER for w in workers)
+    return ["llm+encoder" if colocated and w.get("module", Module.LLM) == Module.LLM and w.get("rank") == 0
             else w.get("module", "llm") for w in workers]
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dflop.program.costs import StepCosts
+from dflop.timing.costs import StepCosts
 from dflop.program.stepgraph import StepGraph
 from dflop.trace.chrome import COMM, COMPUTE, TraceBuilder
 
@@ -83,3 +83,20 @@ def record_step(trace: TraceBuilder, graph: StepGraph, start: Sequence[int], end
     for w, changes in enumerate(memory or ()):
         for ns, held in changes:
             trace.counter(w, "memory", ns + offset_ns, held)
+
+
+def record_graph_step(trace: TraceBuilder, graph: StepGraph, start: Sequence[int], end: Sequence[int], *,
+                      step: int, offset_ns: int, step_ns: int | None = None, costs: StepCosts | None = None,
+                      memory: list[list[tuple[int, float]]] | None = None, **extra: Any) -> int:
+    """One executed step into the trace, whichever runtime ran it: the workers (once, from the first
+    step recorded), every node (``record_step``) and the step's span, whose compute part ends with
+    its last compute node and whole span with ``step_ns`` (by default its last node; a runtime that
+    does more after the graph, as an optimizer step, says how long). ``extra`` goes with the step
+    entry. Returns the compute part's end, ns from the step's start."""
+    if not trace.workers:
+        trace.set_workers(worker_records(graph, costs))
+    record_step(trace, graph, start, end, step=step, offset_ns=offset_ns, costs=costs, memory=memory)
+    compute_end = int(max(end[k] for k in graph.compute_nodes()))
+    span = int(max(end, default=0)) if step_ns is None else step_ns
+    trace.step(step, offset_ns, offset_ns + compute_end, offset_ns + span, **extra)
+    return compute_end

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from dflop.errors import DflopError, check_output
+from dflop.specs.plan import Module
 
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 """Figure files dflop writes (matplotlib picks the format from the suffix)."""
@@ -21,9 +22,9 @@ COLORS = {
 # Timelines: the LLM in blue/orange/brown, the encoder in greens and purple, so a glance
 # tells the two modules apart; communication in colours no compute bar uses.
 COMPUTE_COLORS = {
-    ("llm", "F"): "#4c72b0", ("llm", "B"): "#dd8452", ("llm", "I"): "#dd8452", ("llm", "W"): "#937860",
-    ("encoder", "F"): "#55a868", ("encoder", "B"): "#8172b3", ("encoder", "I"): "#8172b3",
-    ("encoder", "W"): "#da8bc3",
+    (Module.LLM, "F"): "#4c72b0", (Module.LLM, "B"): "#dd8452", (Module.LLM, "I"): "#dd8452", (Module.LLM, "W"): "#937860",
+    (Module.ENCODER, "F"): "#55a868", (Module.ENCODER, "B"): "#8172b3", (Module.ENCODER, "I"): "#8172b3",
+    (Module.ENCODER, "W"): "#da8bc3",
 }
 COMM_COLORS = {"p2p": "#6f6f6f", "bridge": "#17becf", "reduce_grad": "#c44e52", "unshard": "#ccb974",
                "overlapped": "#e5d8a0"}

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dflop.errors import DflopError
+from dflop.specs.plan import Module
 from dflop.trace.chrome import COMPUTE
 from dflop.trace.metrics import MODULE_GROUP_NAMES, metrics
 from dflop.trace.record import RECV
@@ -93,7 +94,7 @@ def _rows(doc: dict[str, Any], max_rows: int) -> list[int]:
     groups: dict[tuple, list[int]] = {}
     for pid in pids:
         w = workers[pid]
-        groups.setdefault((w["module"] != "encoder", w["rank"]), []).append(pid)
+        groups.setdefault((w["module"] != Module.ENCODER, w["rank"]), []).append(pid)
     per_group = max(1, max_rows // len(groups))
     rows = []
     for key in sorted(groups):
@@ -135,7 +136,7 @@ def _colocated(doc: dict[str, Any]) -> bool:
 
     The trace marks such events as module llm; their tiles give the encoder's share away."""
     workers = doc.get("otherData", {}).get("workers", [])
-    if any(w.get("module") == "encoder" for w in workers):
+    if any(w.get("module") == Module.ENCODER for w in workers):
         return False
     return any(e.get("tid") == COMPUTE and e.get("args", {}).get("stage") == 0 and e["args"].get("tiles", 0) > 0
                for e in doc["traceEvents"] if e.get("ph") == "X")
@@ -149,7 +150,7 @@ def _category(e: dict[str, Any], colocated: bool, module: str) -> str:
         return cat or "compute"
     args = e.get("args", {})
     module = args.get("module", module)
-    if colocated and module == "llm" and args.get("stage") == 0:
+    if colocated and module == Module.LLM and args.get("stage") == 0:
         return f"llm+encoder {cat}"
     return f"{module} {cat}"
 

@@ -119,7 +119,7 @@ def _roots(source: Source, image_root: Path | None, video_root: Path | None) -> 
 
 
 def _sizes(p: Parsed, schema: Schema, ctx: _Context, where: str) -> list[tuple[int, int]]:
-    key = "images" if schema is Schema.SHAREGPT else "image"
+    key = schema.file_keys[0]
     names = [key if len(p.images) == 1 else f"{key}[{k}]" for k in range(len(p.images))]
     files = [ctx.image_root / image for image in p.images]
     if len(files) == 1 or ctx.tiling.multi_image == "dynamic":
@@ -131,7 +131,7 @@ def _sizes(p: Parsed, schema: Schema, ctx: _Context, where: str) -> list[tuple[i
 
 def _videos(p: Parsed, schema: Schema, ctx: _Context, where: str) -> list[tuple[int, float, int, float]]:
     out = []
-    key = "videos" if schema is Schema.SHAREGPT else "video"
+    key = schema.file_keys[1]
     for k, video in enumerate(p.videos):
         frames = p.frames[k] if p.frames else 0
         seconds = p.durations[k] if p.durations else 0.0
@@ -195,7 +195,8 @@ class _Reader:
                 continue
             schemas[schema] += 1
             sample_id = str(parsed.id) if parsed.id is not None else f"{id_prefix}{index}"
-            row = columns.add(sample_id, 0 if batched else estimate_text_tokens(parsed.turns), sizes, videos)
+            row = columns.add(sample_id, 0 if batched else estimate_text_tokens(parsed.turns), sizes, videos,
+                              parsed.copies)
             positions.append(index)
             if batched:
                 pending.append((row, parsed.turns))
@@ -279,10 +280,11 @@ def read_manifest(path: str | Path, encoder: EncoderSpec, *, format: str = "auto
                   seed: int = 0) -> ManifestReport:
     """Samples of a manifest or dataset list, tiled and tokenised by ``encoder``'s rules.
 
-    ``format`` is ``auto`` (detected), a manifest schema (``llava``, ``sharegpt``,
-    ``internvl``) or a list kind (``data-yaml``, ``meta-json``); ``tokenizer`` a
-    ``tokenizer.json`` path, a TokenCounter or anything with ``encode``; ``limit`` caps the
-    samples read; ``seed`` drives ``random:N`` sampling and InternVL's frame draws.
+    ``format`` is ``auto`` (detected per entry), a manifest schema (``llava``, ``sharegpt``,
+    ``internvl``, ``content-list``, ``minicpm-v``, ``mantis``, ``preference``) or a list kind
+    (``data-yaml``, ``meta-json``); ``tokenizer`` a ``tokenizer.json`` path, a TokenCounter or
+    anything with ``encode``; ``limit`` caps the samples read; ``seed`` drives ``random:N``
+    sampling and InternVL's frame draws.
     """
     if format not in FORMATS:
         raise DflopError(f"format: {format!r} is not one of {', '.join(FORMATS)}")

@@ -30,14 +30,18 @@ class ShapeColumns:
         """(row, width, height, images in the sample) of every image of multi-image samples."""
         self.video = ([], [], [], [], [])
         """(row, frames given, duration given, frames in the header, header fps) of every video."""
+        self.copies: dict[int, int] = {}
+        """Rows whose media the trainer encodes more than once (a preference pair: twice)."""
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def add(self, sample_id: str, text_tokens: int, sizes: list[tuple[int, int]],
-            videos: list[tuple[int, float, int, float]]) -> int:
-        """Append one sample; returns its row."""
+            videos: list[tuple[int, float, int, float]], copies: int = 1) -> int:
+        """Append one sample whose media are encoded ``copies`` times; returns its row."""
         row = len(self.ids)
+        if copies != 1:
+            self.copies[row] = copies
         self.ids.append(sample_id)
         self.text_tokens.append(text_tokens)
         n = len(sizes)
@@ -79,6 +83,10 @@ class ShapeColumns:
         rows = self.video[0]
         if rows:
             add(rows, *vision.videos(self._frames(tiling, rng), tiling))
+        if self.copies:
+            rows, times = list(self.copies), list(self.copies.values())
+            tiles[rows] *= times
+            tokens[rows] *= times
         return SampleTable.build(self.ids, np.array(self.modality, dtype=np.int8), tiles, self.text_tokens,
                                  tokens)
 

@@ -131,7 +131,7 @@ def imports(found: dict[str, Path]) -> tuple[list[Import], list[Import]]:
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                # ``from dflop.jobs import train`` imports the module dflop.jobs.train
+                # ``from dflop.jobs import run`` imports the module dflop.jobs.run
                 targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in found else node.module
                            for a in node.names]
             else:

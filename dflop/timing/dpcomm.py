@@ -42,7 +42,7 @@ from dflop.program.actions import Kind
 from dflop.program.collectives import CollectiveSpec
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
-from dflop.specs.plan import Plan
+from dflop.specs.plan import MODULES, Module, Plan
 
 NS = 1e9
 
@@ -102,7 +102,7 @@ def rank_units(plan: Plan, model: MLLMSpec, module: str, stages: tuple[int, ...]
     layers = plan.stage_layers(module, model)
     parts = [(module, StageSpec.of(module, layers, s, 1)) for s in stages]
     if plan.strategy.carries_encoder(module, stages):
-        parts.append(("encoder", StageSpec("encoder", model.encoder.layers, 1, first=True, last=True)))
+        parts.append((Module.ENCODER, StageSpec(Module.ENCODER, model.encoder.layers, 1, first=True, last=True)))
     out: list[tuple[str, float]] = []
     for m, spec in parts:
         layer = layer_params(model, m)
@@ -126,7 +126,7 @@ def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: Cluster
     across = dp_gpus[::shards]
     across_link = collective_link(cluster, across)
     gb = grad_bytes(training, plan.fp32_grads)
-    layers = {"encoder": model.encoder.layers, "llm": model.llm.layers}
+    layers = {Module.ENCODER: model.encoder.layers, Module.LLM: model.llm.layers}
     sizes = {m: float(layer_params(model, m)) for m in layers}
     sizes["root"] = params - sum(layers[m] * sizes[m] for m in layers)
     gather, reduce = {}, {}
@@ -188,7 +188,7 @@ def fsdp_op(kind: Kind, units: Units, compute: dict[str, np.ndarray], slowdown: 
                                                                                                    np.ndarray]:
     """(exposed gather before the op, op seconds, communication seconds beside it) of one forward or
     backward over the units; ``compute`` is each module's seconds per replica (all its layers)."""
-    order = [m for m in ("encoder", "llm") for _ in range(units.layers[m])]
+    order = [m for m in MODULES for _ in range(units.layers[m])]
     if units.inline:  # measured: every unit's collectives after one another, inside the op; the roots
         # stay gathered from forward to backward (FSDP2 never reshards a root after its forward)
         total = sum(np.asarray(compute[m], dtype=float) for m in units.layers) + sum(units.gather[m] for m in order)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflop.program.costing import StepTiming
+from dflop.timing.costing import StepTiming
 from dflop.program.stepgraph import StepGraph
 
 

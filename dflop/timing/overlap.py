@@ -25,7 +25,7 @@ from enum import Enum
 import numpy as np
 
 from dflop.errors import DflopError
-from dflop.program.costing import StepTiming
+from dflop.timing.costing import StepTiming
 
 
 class Overlap(str, Enum):

@@ -22,15 +22,15 @@ from dflop.cost.system import System
 from dflop.errors import DflopError
 from dflop.program.actions import Kind
 from dflop.program.collectives import group_collectives
-from dflop.program.dpcomm import NS, TimedCollective, dp_gpus, fsdp_op, group_comm, reduction, shard_degree, to_ns
 from dflop.program.routing import encoder_replicas
 from dflop.program.template import Template
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module, Plan, Strategy, place
+from dflop.timing.dpcomm import NS, TimedCollective, dp_gpus, fsdp_op, group_comm, reduction, shard_degree, to_ns
 from dflop.workload.sample import SampleTable
 
-__all__ = ["NS", "to_ns", "StepTiming", "StepBuilder", "bin_shapes", "group_state",
+__all__ = ["NS", "to_ns", "StepTiming", "TimingBuilder", "bin_shapes", "group_state",
            "stage_times_timing", "stage_param_count"]
 
 
@@ -104,7 +104,7 @@ def stage_param_count(model: MLLMSpec, layers: tuple[int, ...], module: str, sta
     """Parameters of a module-local stage; a colocated LLM stage 0 also holds the encoder."""
     n = stage_params(model, StageSpec.of(module, layers, stage, 1))
     if strategy.carries_encoder(module, (stage,)):
-        n += stage_params(model, StageSpec("encoder", model.encoder.layers, 1, first=True, last=True))
+        n += stage_params(model, StageSpec(Module.ENCODER, model.encoder.layers, 1, first=True, last=True))
     return float(n)
 
 
@@ -116,7 +116,7 @@ def group_state(plan: Plan, model: MLLMSpec, training: TrainingSpec, layers: dic
     held = sum(layers[module][s] for s in stages) * layer_params(model, module)
     modules = strategy.modules_of(module, stages)
     if strategy.carries_encoder(module, stages):
-        held += model.encoder.layers * layer_params(model, "encoder")
+        held += model.encoder.layers * layer_params(model, Module.ENCODER)
     largest = max(layer_params(model, m) for m in modules)
     dp = plan.module(module).dp
     shards = shard_degree(plan, per_node, dp, tp) if strategy.shards_parameters else dp
@@ -132,7 +132,7 @@ def _link(cluster: ClusterSpec, a: tuple[int, ...], b: tuple[int, ...]) -> tuple
     return hw.inter_node_bandwidth, hw.inter_node_latency
 
 
-class StepBuilder:
+class TimingBuilder:
     """Turns batches into StepTimings for one plan.
 
     Everything that does not depend on the batch (placement, links, layer
@@ -147,8 +147,8 @@ class StepBuilder:
         self.plan, self.m = plan, plan.microbatches
         gpu_map = place(plan)
         self.gpus = [[gpu_map.gpus(g.module, g.rank, x) for x in range(g.replicas)] for g in template.groups]
-        self.layers = {"encoder": plan.stage_layers("encoder", self.model),
-                       "llm": plan.stage_layers("llm", self.model)}
+        self.layers = {Module.ENCODER: plan.stage_layers(Module.ENCODER, self.model),
+                       Module.LLM: plan.stage_layers(Module.LLM, self.model)}
         self.links: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         for op in template.ops:
             for d in op.deps:
@@ -189,11 +189,10 @@ class StepBuilder:
         return _Costing(self, batch, np.asarray(assignment, dtype=np.int64)).build()
 
 
-
 class _Costing:
     """The batch-dependent half: bins, encoder chunks, stage costs, transfers."""
 
-    def __init__(self, builder: StepBuilder, batch: SampleTable, assignment: np.ndarray) -> None:
+    def __init__(self, builder: TimingBuilder, batch: SampleTable, assignment: np.ndarray) -> None:
         self.b = builder
         plan, m = builder.plan, builder.m
         if len(assignment) != len(batch) or (len(batch) and (assignment.min() < 0
@@ -216,10 +215,10 @@ class _Costing:
         stage 0 also runs the encoder)."""
         b = self.b
         if module == Module.ENCODER:
-            return {"encoder": b.cost.stage_cost(b.stage_spec("encoder", stage, tp), self.enc_shape)}
-        parts = {"llm": b.cost.stage_cost(b.stage_spec("llm", stage, tp), self.bins)}
+            return {Module.ENCODER: b.cost.stage_cost(b.stage_spec(Module.ENCODER, stage, tp), self.enc_shape)}
+        parts = {Module.LLM: b.cost.stage_cost(b.stage_spec(Module.LLM, stage, tp), self.bins)}
         if b.plan.strategy.carries_encoder(module, (stage,)):
-            enc = StageSpec("encoder", b.model.encoder.layers, tp, first=True, last=True, recompute=b.plan.recompute)
+            enc = StageSpec(Module.ENCODER, b.model.encoder.layers, tp, first=True, last=True, recompute=b.plan.recompute)
             parts["encoder"] = b.cost.stage_cost(enc, WorkShape(self.bins.samples, self.bins.tiles))
         return parts
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflop.program.actions import Kind
-from dflop.program.costing import StepTiming
+from dflop.program.template import waits_for
+from dflop.timing.costing import StepTiming
 
 
 @dataclass
@@ -82,18 +83,19 @@ def evaluate(timing: StepTiming) -> StepTimes:
     for i in t.order:
         op = t.ops[i]
         replicas = t.groups[op.group].replicas
-        ready = end[op.prev].copy() if op.prev >= 0 else np.zeros(replicas, dtype=np.int64)
-        for d, comm in zip(op.deps, timing.dep_comm[i]):
-            np.maximum(ready, end[t.ops[d].released_by] + comm, out=ready)
+        prev, data, bridge = waits_for(op, t.ops)
+        ready = end[prev].copy() if prev >= 0 else np.zeros(replicas, dtype=np.int64)
+        for d, comm in zip(data, timing.dep_comm[i]):
+            np.maximum(ready, end[d] + comm, out=ready)
         edges = timing.bridge[i]
         if edges is not None and len(edges[0]):
             src, dst, ns = edges
             arrival = np.zeros(replicas, dtype=np.int64)
-            np.maximum.at(arrival, dst, end[t.ops[op.bridge].released_by][src] + ns)
+            np.maximum.at(arrival, dst, end[bridge][src] + ns)
             np.maximum(ready, arrival, out=ready)
         if i in before:
             c = before[i]
-            c_start[c] = max(stream[op.group], int(end[op.prev].max()) if op.prev >= 0 else 0)
+            c_start[c] = max(stream[op.group], int(end[prev].max()) if prev >= 0 else 0)
             c_end[c] = stream[op.group] = c_start[c] + timing.collectives[c].duration
             np.maximum(ready, c_end[c], out=ready)
         start[i] = ready
