@@ -66,6 +66,9 @@ class Backend(Protocol):
     """The embedded run config it runs without ``--config`` (a key of ``dflop.specs.run.DEFAULTS``)."""
     resumable: bool
     """Whether it checkpoints, so that ``--resume`` can continue one of its runs."""
+    calibrates: bool
+    """Whether its steps run on this machine's processors, so that a run calibrates a profiled cost
+    model to them before it reports predictions (``execution.calibrate``)."""
 
     def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
             meta: dict[str, Any] | None = None) -> BackendResult:

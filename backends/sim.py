@@ -19,6 +19,7 @@ class SimBackend:
     name = "sim"
     defaults = "sim"
     resumable = False
+    calibrates = False
     contention: bool = True
     """Links carry one transfer at a time."""
     memory: bool = True

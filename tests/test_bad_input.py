@@ -404,15 +404,16 @@ STEP = {"solver": "lpt", "batch": {"id": ["a", "b", "c", "d"], "modality": ["tex
 
 
 def resume_folder(folder: Path, plan=TINY["plan"], steps=(STEP,)) -> Path:
-    """A folder as a run of TINY leaves it (its record, run.json), with ``plan`` as its plan file and
-    ``steps`` as its saved schedules."""
+    """A folder as a run of TINY leaves it (its record, run.json), with ``plan`` as dflop's plan file
+    and ``steps`` as its saved schedules (a resume reads dflop's arm first)."""
     from dflop.jobs.resume import RUN_FILE, plain, run_record
     from dflop.jobs.setup import setup
 
     config = folder / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
     s = setup(config, backend="torch", log=lambda _: None)
-    record = {**run_record(s, TINY["steps"]), "plans": {"dflop": plain(s.config.plan)}}
+    record = {**run_record(s, TINY["steps"]), "planning": {},
+              "plans": {"dflop": plain(s.config.plan), "baseline": plain(s.config.plan)}}
     (folder / RUN_FILE).write_text(json.dumps(record))
     (folder / "dflop.plan.yaml").write_text(yaml.safe_dump(plan))
     (folder / "schedules" / "dflop").mkdir(parents=True)
@@ -449,6 +450,31 @@ def test_bad_resume_folders_are_refused_before_any_process_starts(tmp_path):
         assert not (folder / "checkpoints").exists()
     assert_refused(dflop_here("run", "--backend", "torch", "--resume", tmp_path / "none"), "'--resume'")
     assert_refused(dflop_here("run", "--resume", tmp_path / "r0", "--out", tmp_path / "o"), "--resume")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"plans": "dflop"}, "not the record of a run"),
+    ({"drop_baseline": True}, "not the record of a run"),
+    ({"plans_extra": "other"}, "not the record of a run"),
+    ({"planning": None}, "'planning': missing"),
+])
+def test_a_run_record_without_its_arms_or_planning_is_refused_before_any_arm_is_read(tmp_path, change, message):
+    from dflop.errors import DflopError
+    from dflop.jobs.resume import RUN_FILE, read_run
+
+    folder = resume_folder(tmp_path, steps=())  # dflop's arm has no schedules: read first, it would fail
+    record = json.loads((folder / RUN_FILE).read_text())
+    if "plans" in change:
+        record["plans"] = change["plans"]
+    if change.get("drop_baseline"):
+        del record["plans"]["baseline"]
+    if "plans_extra" in change:
+        record["plans"][change["plans_extra"]] = record["plans"]["dflop"]
+    if "planning" in change:
+        del record["planning"]
+    (folder / RUN_FILE).write_text(json.dumps(record))
+    with pytest.raises(DflopError, match=message):
+        read_run(folder)
 
 
 def test_a_saved_arm_reads_back_as_it_was_written(tmp_path):

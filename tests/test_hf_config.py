@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from dflop.errors import SpecError
@@ -41,7 +42,7 @@ def test_internvl_chat_config(tmp_path):
                        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
                        "vocab_size": 92553, "bias": False, "rope_theta": 1000000}})
     llm = llm_from_hf_config(path)
-    assert (llm.name, *shape(llm)) == ("internlm/internlm2_5-7b-chat", 32, 4096, 32, 8, 14336, 92553, False)
+    assert (llm.name, *shape(llm)) == ("ckpt (InternLM2ForCausalLM)", 32, 4096, 32, 8, 14336, 92553, False)
     vit, preset = encoder_from_hf_config(path), presets.encoder("internvit-300m")
     assert (vit.family, vit.layers, vit.hidden, vit.heads, vit.mlp, vit.downsample) == \
         ("internvit", 24, 1024, 16, 4096, 0.5)
@@ -55,15 +56,16 @@ def test_stub_text_config_of_llava_15(tmp_path):
         "model_type": "llava", "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures":
                                                ["LlamaForCausalLM"], "max_position_embeddings": 4096,
                                                "model_type": "llama", "vocab_size": 32064},
-        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "num_hidden_layers": 24},
+        "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                          "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                          "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
         "vision_feature_layer": -2, "vocab_size": 32064})
     llm = llm_from_hf_config(path)
     assert (llm.name, *shape(llm), llm.max_position) == \
-        ("lmsys/vicuna-7b-v1.5", 32, 4096, 32, 32, 11008, 32064, False, 4096)
+        ("ckpt (LlamaForCausalLM)", 32, 4096, 32, 32, 11008, 32064, False, 4096)
     assert "transformers defaults for" in llm.source and "hidden_size" in llm.source
-    with pytest.raises(SpecError, match=r"config.json: vision_config.model_type: 'clip_vision_model' is not a "
-                                        r"SigLIP or InternViT vision config"):
-        encoder_from_hf_config(path)
+    clip = encoder_from_hf_config(path)  # CLIP ViT-L/14-336, LLaVA-1.5's one 336-pixel tile an image
+    assert (clip.family, clip.layers, clip.rule, clip.tiling.tile_tokens) == ("clip", 23, "llava-1.5", 576)
 
 
 @pytest.mark.parametrize("top,bias", [
@@ -72,7 +74,7 @@ def test_stub_text_config_of_llava_15(tmp_path):
     ({"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl"}, True),
     ({"architectures": ["LlavaQwenForCausalLM"], "model_type": "llava"}, True),        # by architecture
     ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, False),
-    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_bias": False}, False),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_bias": False}, True),  # ignored
     ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, False),
 ])
 def test_qkv_bias_from_the_architecture(tmp_path, top, bias):
@@ -114,13 +116,14 @@ def test_vision_only_configs(tmp_path):
 
 
 @pytest.mark.parametrize("data,read,message", [
-    ({"text_config": {**QWEN2_7B, "hidden_size": "x"}}, llm_from_hf_config,
+    ({"text_config": {**QWEN2_7B, "model_type": "qwen2", "hidden_size": "x"}}, llm_from_hf_config,
      r"^[^ ]*config.json: text_config.hidden_size: expected an integer, got 'x'$"),
     ({"llm_config": {"model_type": "internlm2", "hidden_size": 8}}, llm_from_hf_config,
      r"^[^ ]*config.json: llm_config: missing key 'num_attention_heads'$"),
-    ({**QWEN2_7B, "num_attention_heads": 5}, llm_from_hf_config,
+    ({**QWEN2_7B, "model_type": "qwen2", "num_attention_heads": 5}, llm_from_hf_config,
      r"^[^ ]*config.json: heads: 5 does not divide hidden size 3584$"),
-    ({**QWEN2_7B, "rope_theta": "big"}, llm_from_hf_config, r"config.json: rope_theta: expected a finite number"),
+    ({**QWEN2_7B, "model_type": "qwen2", "rope_theta": "big"}, llm_from_hf_config,
+     r"config.json: rope_theta: expected a finite number"),
     ({"mm_vision_tower": "google/siglip-so400m-patch14-384", **QWEN2_7B}, encoder_from_hf_config,
      r"config.json: no vision_config: the vision tower 'google/siglip-so400m-patch14-384' is named"),
     ({"vision_config": {**SIGLIP_SO400M, "num_hidden_layers": 2}, "vision_feature_layer": -5},
@@ -147,3 +150,44 @@ def test_run_config_paths_resolve_against_its_folder(tmp_path, monkeypatch):
     assert (run.encoder.family, run.encoder.layers, run.llm.layers) == ("siglip", 26, 28)
     assert run.data.dataset == str(tmp_path / "runs/../data/m.json")
     assert run.profiles == (str(tmp_path / "runs/../profiles"),)
+
+
+def test_names_come_from_the_folder_never_from_a_stale_name_or_path(tmp_path):
+    """InternVL3-1B's llm_config names Qwen2.5-32B-Instruct and its vision_config InternViT-6B:
+    the hub paths it was made from, not what it is."""
+    qwen = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "_name_or_path": "Qwen/Qwen2.5-32B-Instruct",
+            **QWEN2_7B, "hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2,
+            "intermediate_size": 4864, "num_hidden_layers": 24}
+    path = config(tmp_path, {"_name_or_path": "/root/.cache/abc123", "architectures": ["InternVLChatModel"],
+                             "llm_config": qwen, "force_image_size": 448,
+                             "vision_config": {**INTERNVIT_300M, "_name_or_path": "OpenGVLab/InternViT-6B-448px-V1-5"}},
+                  folder="InternVL3-1B")
+    assert llm_from_hf_config(path).name == "InternVL3-1B (Qwen2ForCausalLM)"
+    assert encoder_from_hf_config(path).name == "InternVL3-1B (InternVisionModel)"
+    top = {"model_type": "qwen2", "_name_or_path": "/tmp/tmpk2j3h4", **QWEN2_7B}
+    assert llm_from_hf_config(config(tmp_path, top, folder="Qwen2.5-7B-Instruct")).name == "Qwen2.5-7B-Instruct"
+    cached = config(tmp_path, top, folder="hub/models--Qwen--Qwen2.5-7B-Instruct/snapshots/a09a3545")
+    assert llm_from_hf_config(cached).name == "Qwen2.5-7B-Instruct"          # a cache snapshot: the model's name
+
+
+@pytest.mark.parametrize("position,per_frame,once", [
+    ("grid", 196 + 14, 0), ("frame", 196 + 1, 0), ("one_token", 196, 1), ("no_token", 196, 0), (None, 196 + 14, 0),
+])
+def test_mm_newline_position_sets_the_video_tokens(tmp_path, position, per_frame, once):
+    """LLaVA-NeXT's llava_arch.py: 27 x 27 SigLIP features pooled to 14 x 14 a frame, then a newline
+    after every pooled row (grid), after every frame, once after the whole video, or none; no key:
+    LLaVA-OneVision's grid."""
+    from dflop.workload.vision import videos
+
+    data = {"architectures": ["LlavaOnevisionForConditionalGeneration"], "model_type": "llava_onevision",
+            "vision_config": SIGLIP_SO400M, **({"mm_newline_position": position} if position else {})}
+    tiling = encoder_from_hf_config(config(tmp_path, data)).tiling
+    frames, tokens = videos(np.array([8, 32]), tiling)
+    assert frames.tolist() == [8, 32] and tokens.tolist() == [8 * per_frame + once, 32 * per_frame + once]
+
+
+def test_unknown_mm_newline_position_is_refused(tmp_path):
+    path = config(tmp_path, {"vision_config": SIGLIP_SO400M, "mm_newline_position": "row"})
+    with pytest.raises(SpecError, match=r"config.json: mm_newline_position: expected one of grid, frame, one_token, "
+                                        r"no_token, got 'row'$"):
+        encoder_from_hf_config(path)

@@ -153,7 +153,7 @@ def test_hf_config_import(tmp_path):
 
 def test_hf_config_errors_name_the_file_and_key(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"num_hidden_layers": 2}))
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
     with pytest.raises(SpecError, match=r"config.json: missing key 'num_attention_heads'"):
         llm_from_hf_config(path)
     path.write_text("{ not json")

@@ -50,19 +50,20 @@ def test_torch_run_reports_measured_and_predicted_steps_losses_and_artifacts(tor
 def test_the_torch_run_reports_what_the_simulated_run_reports_and_its_training(torch_run, tmp_path):
     """One JSON schema: the same keys, nested ones too, but for what only a backend that trains has
     (``TRAINING_FIELDS``, in dflop's arm and the baseline's)."""
-    from dflop.jobs.run import TRAINING_FIELDS
+    from dflop.jobs.run import CALIBRATION_FIELDS, TRAINING_FIELDS
 
     config, _, r = torch_run
     sim = dflop_json("run", "--config", config, "--out", tmp_path / "sim")
 
     def keys(report):
-        return {k for k in report if k not in TRAINING_FIELDS} | {f"{section}.{k}" for section in (
+        apart = TRAINING_FIELDS + CALIBRATION_FIELDS
+        return {k for k in report if k not in apart} | {f"{section}.{k}" for section in (
             "baseline", "artifacts", "step_time_s", "predicted_step_time_s", "expected") for k in report[section]
-            if k not in TRAINING_FIELDS}
+            if k not in apart}
 
     assert set(TRAINING_FIELDS) <= set(r) and set(TRAINING_FIELDS) <= set(r["baseline"])
     assert keys(r) == keys(sim) and not set(TRAINING_FIELDS) & set(sim)
-    assert {k for k in r["baseline"] if k not in TRAINING_FIELDS} == set(sim["baseline"])
+    assert {k for k in r["baseline"] if k not in TRAINING_FIELDS + CALIBRATION_FIELDS} == set(sim["baseline"])
     assert r["backend"] == "torch" and sim["backend"] == "sim"
 
 

@@ -189,6 +189,12 @@ class TorchBackend:
         finally:
             self.options, self.folder, self.planned = before
 
+    @property
+    def calibrates(self) -> bool:
+        """Launched here only: under torchrun, rank 0 measuring shapes while the other ranks wait would
+        start processes (and, for TP shapes, a process group) beside the run's own."""
+        return not under_torchrun()
+
     def is_reporting_rank(self) -> bool:
         """Rank 0 under torchrun; the one process launched here."""
         return not under_torchrun() or int(os.environ["RANK"]) == 0

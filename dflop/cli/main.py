@@ -152,6 +152,7 @@ def _data_profile_text(r: dict[str, Any]) -> str:
     src = r["source"]
     lines = [f"data profile of {r['samples']} samples -> {r['out']}"
              + (f" ({r['skipped']} bad entries skipped)" if r["skipped"] else "")]
+    lines.append(f"  rule: {src['rule']} (encoder {src['encoder']})")
     if src.get("kind") == "dataset":
         renamed = src["renamed_ids"]
         lines.append(f"  text tokens: {src['text_tokens']}"
@@ -294,6 +295,10 @@ def _warn_cpu_profile(model_name: str, grid: str | None, tps: tuple[int, ...], r
 
 # ---- plan, schedule, simulate, run -------------------------------------------------------------
 
+CALIBRATE_HELP = ("With a profile measured on another machine: measure a few of its shapes here first and scale "
+                  "its times to this machine (the CPU profiles; not a GPU's profile on a machine without that GPU).")
+
+
 ERROR_HELP = ("Per-sample prediction error (lognormal sigma) the speedups are also reported at (default: the "
               "profiled model's held-out error, or 0.2 for the analytical model).")
 
@@ -352,18 +357,20 @@ def baseline_lines(r: dict[str, Any]) -> list[str]:
 @cluster_options
 @prediction_error_option
 @click.option("--out", type=Output(), required=True, help="Plan (YAML) to write, with the cluster it is made for.")
+@click.option("--calibrate", is_flag=True, help=CALIBRATE_HELP)
 @json_option
 def optimize(config: Path | None, gpus: int | None, nodes: int | None, error: float | None, out: Path,
-             as_json: bool) -> None:
+             calibrate: bool, as_json: bool) -> None:
     """Choose tensor/pipeline/data parallelism for the encoder and the LLM."""
     from dflop.cli.progress import progress_bar
     from dflop.cost.select import prediction_error
+    from dflop.jobs.calibrate import check_machine
     from dflop.jobs.optimize import optimize as optimize_
     from dflop.jobs.report import optimize_json
     from dflop.jobs.setup import setup
     from dflop.specs.plan_file import save_plan
 
-    s = setup(config, gpus=gpus, nodes=nodes)
+    s = check_machine(setup(config, gpus=gpus, nodes=nodes), calibrate, log)
     with progress_bar() as progress:
         result = optimize_(s, progress=progress, noise=error)
     save_plan(result.best.plan, out, s.system.cluster)
@@ -447,16 +454,18 @@ def schedule(items: Path, bins: int, solver: str, time_limit: float, as_json: bo
               help="Pipeline schedule (overrides the plan's).")
 @click.option("--steps", type=click.IntRange(1, MAX_STEPS), help="Steps to simulate.")
 @click.option("--out", type=Output(folder=True), default=Path("out/simulate"), show_default=True)
+@click.option("--calibrate", is_flag=True, help=CALIBRATE_HELP)
 @json_option
 def simulate(config: Path | None, plan_path: Path | None, gpus: int | None, nodes: int | None,
-             schedule_name: str | None, steps: int | None, out: Path, as_json: bool) -> None:
+             schedule_name: str | None, steps: int | None, out: Path, calibrate: bool, as_json: bool) -> None:
     """Simulate a plan on the workload; write the trace and the timeline."""
+    from dflop.jobs.calibrate import check_machine
     from dflop.jobs.report import gpu_note, plan_summary, step_fields
     from dflop.jobs.setup import setup
     from dflop.jobs.simulate import pick_plan, simulate as simulate_
     from dflop.viz.timeline import plot_timeline
 
-    s = setup(config, gpus=gpus, nodes=nodes, plan_file=plan_file(plan_path))
+    s = check_machine(setup(config, gpus=gpus, nodes=nodes, plan_file=plan_file(plan_path)), calibrate, log)
     plan = pick_plan(s, schedule_name)
     ensure_writable_folder(out, "output")
     sim, info = simulate_(s, plan, steps=steps or s.config.steps, solver=s.config.scheduler.solver, out=out,
@@ -509,9 +518,13 @@ def backend_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--resume", type=click.Path(exists=True, file_okay=False, writable=True, path_type=Path),
               help="Continue the checkpointed torch run in this folder "
               "(its plans and schedules; needs execution.checkpoint_every in the config).")
+@click.option("--no-calibrate", "no_calibrate", is_flag=True,
+              help="torch: report predictions on the profile as recorded, without first measuring a few of its "
+                   "shapes here and scaling them (execution.calibrate: false).")
 @json_option
 def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | None, nodes: int | None,
-        steps: int | None, error: float | None, out: Path, resume: Path | None, as_json: bool) -> None:
+        steps: int | None, error: float | None, out: Path, resume: Path | None, no_calibrate: bool,
+        as_json: bool) -> None:
     """Plan, schedule every step and execute it: simulated (sim), or trained for real (torch); compare with the
     strongest baseline (with --plan: the same plan on arrival-order batches)."""
     from dflop.backends.base import get_backend
@@ -521,7 +534,7 @@ def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | N
     planned = plan_file(plan_path)
     with progress_bar() as progress:
         data = run_(get_backend(backend), config, steps=steps, out=out, resume=resume, progress=progress,
-                    plan_file=planned, gpus=gpus, nodes=nodes, noise=error)
+                    plan_file=planned, gpus=gpus, nodes=nodes, noise=error, calibrate=False if no_calibrate else None)
     if data is not None:  # under torchrun only rank 0 reports
         emit(data, as_json, _run_human)
 
@@ -545,6 +558,10 @@ def _run_human(r: dict[str, Any]) -> str:
     trained = "losses" in r
     where = f"{r['plan_gpus']} {r['device']} processes ({r['backend']})" if trained else f"{r['gpus']} x {r['hardware']}"
     lines = [f"{r['model']} on {where}, {r['data']}, global batch {r['global_batch']}, {r['steps']} steps"]
+    if c := r.get("calibration"):
+        lines.append(f"calibration: shapes ran {c['ratio']:.2f}x the recorded time here; predictions scaled "
+                     f"(uncalibrated: predicted graph {r['uncalibrated_predicted_step_time_s']['mean']:.3f} s, "
+                     f"{r['uncalibrated_prediction_error']:+.1%})")
     lines += arm("dflop", r, "") + arm("baseline", b, f"{b['space']}: ")
     lines.append(f"speedup   {r['speedup']:.2f}x {'measured' if trained else 'simulated'}"
                  + (f" = plan gain {d['plan_gain']:.2f}x x balance gain {d['balance_gain']:.2f}x" if d else "")

@@ -128,7 +128,7 @@ class AnalyticalCostModel:
     def _encoder(self, stage: StageSpec, shape: WorkShape) -> StageCost:
         enc, b, tp = self.model.encoder, self.training.activation_bytes, stage.tp
         tiles = np.asarray(shape.tiles, dtype=float)
-        layer = F.vit_layer_flops(enc, tiles)
+        layer = F.vit_layer_flops(enc, tiles, np.asarray(shape.samples, dtype=float))
         cost = self._layers(stage, layer, tiles * enc.patches_per_tile * enc.hidden,
                             F.vit_layer_activation_elements(enc, tiles), F.vit_layer_selective_elements(enc, tiles))
         if stage.first:

@@ -47,7 +47,8 @@ def tp_comm_of(record: dict[str, Any]) -> TPComm | None:
     return None if record["tp"] == 1 else TPComm(record.get("tp_comm", TPComm.MODELLED.value))
 
 
-ARCHITECTURE = {Module.LLM: ("hidden", "heads", "kv_heads", "ffn", "vocab", "qkv_bias"),
+ARCHITECTURE = {Module.LLM: ("hidden", "heads", "kv_heads", "ffn", "vocab", "qkv_bias", "head_dim", "o_bias",
+                             "qk_norm", "layer_norms"),
                 Module.ENCODER: ("hidden", "heads", "mlp", "image_size", "patch_size", "norm", "qk_norm", "qkv_bias",
                             "downsample")}
 """The spec fields a module's figures depend on: the shapes of one block and of the fixed parts. Not
@@ -84,6 +85,35 @@ def architecture_mismatch(record: dict[str, Any], spec: Any) -> str:
     return ""
 
 
+MACHINE_FIELDS = {"cpu": "{}", "capability": "{}", "cores": "{} cores", "threads": "{} threads per process",
+                  "memory_gib": "{} GiB", "torch": "torch {}", "python": "Python {}", "gpu": "{}",
+                  "gpu_memory_gib": "{} GiB GPU", "driver": "driver {}", "cuda": "CUDA {}", "nccl": "NCCL {}"}
+"""What a record's ``machine`` says of where it was measured (``dflop.profile.profiler.machine_identity``),
+and how each is written: every one moves the time of the same shapes."""
+
+
+def profile_machine(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The machine most of ``records`` were measured on; None when none says (records from before
+    the field: an unknown machine)."""
+    seen = [json.dumps(r["machine"], sort_keys=True) for r in records if r.get("machine")]
+    return json.loads(max(set(seen), key=seen.count)) if seen else None
+
+
+def machine_difference(profile: dict[str, Any] | None, here: dict[str, Any]) -> str:
+    """'' when ``profile`` (a record's ``machine``, None: unknown) is ``here``; else the line that
+    says so, naming what differs: ``profile measured on <A, AVX512>, this is <B, AVX2>``."""
+    def describe(machine: dict[str, Any], names: Iterable[str]) -> str:
+        return ", ".join(MACHINE_FIELDS[n].format(machine.get(n, "?")) for n in names)
+
+    if profile is None:
+        main = [n for n in ("cpu", "capability", "cores", "gpu") if n in here]
+        return f"profile measured on an unknown machine (its records do not say), this is <{describe(here, main)}>"
+    differ = [n for n in MACHINE_FIELDS if n in profile.keys() | here.keys() and profile.get(n) != here.get(n)]
+    if not differ:
+        return ""
+    return f"profile measured on <{describe(profile, differ)}>, this is <{describe(here, differ)}>"
+
+
 def record_key(record: dict[str, Any]) -> tuple:
     return tuple(record[f] for f in KEY_FIELDS) + (tuple(sorted(record["shape"].items())),)
 
@@ -105,6 +135,10 @@ def _problem(record: Any) -> str | None:
             return f"field '{name}' must be an integer >= 1"
     if record.get("tp_comm", TPComm.MODELLED.value) not in {c.value for c in TPComm}:
         return f"field 'tp_comm' must be one of {', '.join(c.value for c in TPComm)}"
+    machine = record.get("machine", {})
+    if not isinstance(machine, dict) or not all(v is None or isinstance(v, str) or _finite(v)
+                                                for v in machine.values()):
+        return "field 'machine' must map names to strings, finite numbers or null"
     arch = record.get("arch", {})
     if not isinstance(arch, dict) or not all(isinstance(v, (str, bool)) or _finite(v) for v in arch.values()):
         return "field 'arch' must map names to strings, booleans or finite numbers"

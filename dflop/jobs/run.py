@@ -15,12 +15,14 @@ whole run (torchrun's process group, rank 0 planning for every rank, signals) is
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dflop.backends.base import Backend, BackendResult
+from dflop.cost.calibration import Calibration
 from dflop.cost.select import prediction_error
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
@@ -41,6 +43,9 @@ from dflop.jobs.steps import schedule_steps
 TRAINING_FIELDS = ("losses", "graph_time_s", "optimizer_time_s", "device")
 """What an arm reports only where its backend trains (the torch backend): the losses, the measured
 step split into step graph and optimizer step, the device. Every other field every backend reports."""
+CALIBRATION_FIELDS = ("calibration", "uncalibrated_predicted_step_time_s", "uncalibrated_prediction_error")
+"""What a run reports only where it calibrated (a backend on this machine's processors, ``execution.calibrate``):
+what the check found (the run), and the prediction on the profile as recorded and its error (each arm)."""
 
 
 def plan_arms(s: Setup, steps: int, out: Path, log: Log, progress: Progress | None = None,
@@ -92,29 +97,38 @@ def plan_arms(s: Setup, steps: int, out: Path, log: Log, progress: Progress | No
 
 def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: Path, resume: Path | None = None,
         progress: Progress | None = None, plan_file: PlanFile | None = None, gpus: int | None = None,
-        nodes: int | None = None, noise: float | None = None, log: Log = log_to_stderr) -> dict[str, Any] | None:
+        nodes: int | None = None, noise: float | None = None, log: Log = log_to_stderr,
+        calibrate: bool | None = None) -> dict[str, Any] | None:
     """Plan (or, resuming, read the run in ``resume``), execute every arm on ``backend`` and compare;
     the JSON of `dflop run` (None on a process that does not report). A plan file (or, resuming,
-    the run's own) brings its plan and the cluster it was made for."""
+    the run's own) brings its plan and the cluster it was made for. On a backend that runs on this
+    machine, a profiled cost model measured elsewhere is said so first, and (``calibrate``, by default
+    ``execution.calibrate``) calibrated before the first step (:func:`calibrate_arms`)."""
     if resume is not None and not backend.resumable:
         raise DflopError(f"--resume {resume}: the {backend.name} backend keeps no checkpoints to continue from "
                          "(--resume continues a run of a backend that does: --backend torch)")
     config = load_config(config_path, backend.defaults)
+    calibrate = backend.calibrates and (config.execution.calibrate if calibrate is None else calibrate)
     folder = resume or out
     with backend.session(config, folder, where=str(config_path or DEFAULTS[backend.defaults]),
                          resume=resume is not None):
-        bundle = None
+        bundle, calibration = None, None
         if backend.is_reporting_rank():
             ensure_writable_folder(folder, "output")
             if resume is not None:
                 s, arms, planning = resume_run(config, config_path, resume, steps=steps, plan_file=plan_file,
                                                gpus=gpus, nodes=nodes, backend=backend.defaults, log=log)
+                _say_machine(backend, s.system, calibrate, log)
             else:
                 s = setup(config_path, gpus=gpus, nodes=nodes, plan_file=plan_file, backend=backend.defaults, log=log)
+                _say_machine(backend, s.system, calibrate, log)
                 clear(folder, log)  # once the run's inputs are known good: a refused run removes nothing
                 arms, planning = plan_arms(s, steps or s.config.steps, folder, log, progress, noise)
-            backend.prepare({arm.name: arm.plan for arm in arms if arm.measured is None}, len(arms[0].steps), log)
-            bundle = (s.system, arms, planning, s.data_source)
+            todo = [arm for arm in arms if arm.measured is None]
+            backend.prepare({arm.name: arm.plan for arm in todo}, len(arms[0].steps), log)
+            planned = s.system
+            predicting, calibration = calibrate_arms(s.system, todo, log) if calibrate and todo else (planned, None)
+            bundle = (predicting, arms, planning, s.data_source)
         system, arms, planning, source = backend.share(bundle)
         for arm in arms:
             if arm.measured is not None:  # finished before this resume
@@ -122,10 +136,52 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
             result = backend.run(CostedPlan(arm.plan, system), arm.steps, meta={"name": arm.name, "solver": arm.solver})
             if backend.is_reporting_rank():
                 arm.measured = _measured(result, system.training.global_batch, arm.name, folder)
+                if calibration is not None:
+                    _uncalibrated(arm, result, planned)
                 save_json(folder / f"{arm.name}.result.json", arm.measured)
         if not backend.is_reporting_rank():
             return None
-        return report(backend, system, arms, planning, folder, source)
+        data = report(backend, system, arms, planning, folder, source)
+        if calibration is not None:
+            data["calibration"] = calibration.to_json()
+        return data
+
+
+def _say_machine(backend: Backend, system: System, calibrate: bool, log: Log) -> None:
+    """On a backend that runs on this machine, a line when the profile was measured elsewhere."""
+    from dflop.jobs.calibrate import machine_note
+
+    if backend.calibrates and (note := machine_note(system.cost)):
+        log(f"dflop: warning: {note}: " + ("calibrating to this machine before the first step" if calibrate else
+                                          "its times are used as recorded (execution.calibrate is off)"))
+
+
+def calibrate_arms(system: System, arms: list[Arm], log: Log) -> tuple[System, Calibration | None]:
+    """The system whose cost model prices the run's reported predictions, and what calibrating it found:
+    a few of the profile's shapes measured here around the arms' microbatch sizes, at their plans' TP
+    degrees (:mod:`dflop.jobs.calibrate`). The arms were planned on the profile as recorded: the
+    microbatch sizes to measure at come from the plans, and a profile rescaled part by part from a
+    few shapes can order plans worse than the profile itself (:mod:`dflop.profile.drift`), while the
+    plan chosen is the one to compare against its baseline; only predictions are scaled."""
+    from dflop.cost.profiled import ProfiledCostModel
+    from dflop.jobs.calibrate import calibrate_cost, microbatch_sizes
+
+    if not isinstance(system.cost, ProfiledCostModel):
+        return system, None
+    sizes, tps = microbatch_sizes(system.cost, [(arm.plan, arm.steps) for arm in arms])
+    cost, calibration = calibrate_cost(system.cost, log, sizes, tps)
+    return replace(system, cost=cost), calibration
+
+
+def _uncalibrated(arm: Arm, result: BackendResult, planned: System) -> None:
+    """The prediction of ``arm``'s steps on the profile as recorded, next to the calibrated one."""
+    from dflop.backends.base import get_backend
+
+    steps = list(arm.steps)[result.extra.get("first_step", 0):]
+    predicted = [s["step_s"] for s in get_backend("sim", memory=False).run(CostedPlan(arm.plan, planned), steps).steps]
+    graph = arm.measured.get("graph_time_s", arm.measured["step_time_s"])["each"]
+    arm.measured["uncalibrated_predicted_step_time_s"] = {"mean": float(np.mean(predicted)), "each": predicted}
+    arm.measured["uncalibrated_prediction_error"] = measured_prediction_error(predicted, graph)
 
 
 def measured_prediction_error(predicted: list[float], measured: list[float]) -> float:

@@ -93,7 +93,9 @@ def load_data(config: RunConfig) -> tuple[SampleTable, str]:
     if d.dataset:
         return read_manifest(d.dataset, config.encoder).samples, f"dataset {d.dataset}"
     if d.profile:
-        return DataProfile.load(d.profile).samples, f"data profile {d.profile}"
+        profile = DataProfile.load(d.profile)
+        profile.check_rule(config.encoder, f"data profile {d.profile}")
+        return profile.samples, f"data profile {d.profile}"
     return synthesize(mix(d.preset), d.samples, config.encoder, d.seed), f"preset {d.preset}"
 
 

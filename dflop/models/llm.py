@@ -1,8 +1,10 @@
 """A decoder-only LLM with the Qwen2.5 / Llama-3 ingredients, built from an LLMSpec.
 
 RMSNorm, rotary position embeddings (positions restart at every packed
-sample), grouped-query attention (with Qwen's q/k/v bias when the spec asks),
-a SwiGLU MLP, a tied or untied LM head. ``tp`` builds one tensor-parallel
+sample), grouped-query attention (with Qwen's q/k/v bias, an output bias,
+Qwen3's per-head q/k norms, a head size apart from hidden / heads, Gemma-2's
+post-attention and post-MLP norms when the spec asks), a SwiGLU MLP, a tied
+or untied LM head: the spec's weights, so the profiler measures its shapes. ``tp`` builds one tensor-parallel
 shard (heads, key-value heads, MLP width and vocabulary divided by ``tp``):
 what one GPU of a TP group computes, which is what the profiler measures.
 """
@@ -63,8 +65,13 @@ class DecoderBlock(nn.Module):
         self.q = nn.Linear(h, self.heads * d, bias=spec.qkv_bias)
         self.k = nn.Linear(h, self.kv_heads * d, bias=spec.qkv_bias)
         self.v = nn.Linear(h, self.kv_heads * d, bias=spec.qkv_bias)
-        self.o = nn.Linear(self.heads * d, h, bias=False)
+        self.o = nn.Linear(self.heads * d, h, bias=spec.o_bias)
+        self.q_norm = RMSNorm(d) if spec.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(d) if spec.qk_norm else nn.Identity()
         self.norm2 = RMSNorm(h)
+        post = spec.layer_norms == 4
+        self.post_attention_norm = RMSNorm(h) if post else nn.Identity()
+        self.post_mlp_norm = RMSNorm(h) if post else nn.Identity()
         ffn = shard(spec.ffn, tp, "MLP channels")
         self.gate = nn.Linear(h, ffn, bias=False)
         self.up = nn.Linear(h, ffn, bias=False)
@@ -75,12 +82,12 @@ class DecoderBlock(nn.Module):
         a = self.norm1(x)
         # width // d heads: the local count when tensor parallelism has sharded the projections
         heads = lambda y: y.view(t, y.shape[-1] // d, d)  # noqa: E731
-        q = rotary(heads(self.q(a)), positions, self.spec.rope_theta)
-        k = rotary(heads(self.k(a)), positions, self.spec.rope_theta)
+        q = rotary(self.q_norm(heads(self.q(a))), positions, self.spec.rope_theta)
+        k = rotary(self.k_norm(heads(self.k(a))), positions, self.spec.rope_theta)
         v = heads(self.v(a))
-        x = x + self.o(varlen_attention(q, k, v, cu_seqlens, causal=True).reshape(t, -1))
+        x = x + self.post_attention_norm(self.o(varlen_attention(q, k, v, cu_seqlens, causal=True).reshape(t, -1)))
         m = self.norm2(x)
-        return x + self.down(F.silu(self.gate(m)) * self.up(m))
+        return x + self.post_mlp_norm(self.down(F.silu(self.gate(m)) * self.up(m)))
 
 
 class DecoderLLM(nn.Module):

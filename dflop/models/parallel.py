@@ -14,6 +14,7 @@ from typing import Iterable
 import torch.nn as nn
 
 from dflop.errors import DflopError
+from dflop.specs.models import EncoderSpec
 
 COLUMN_WISE = ("q", "k", "v", "gate", "up", "fc1")
 ROW_WISE = ("o", "down", "proj", "fc2")
@@ -25,7 +26,7 @@ def split_blocks(blocks: Iterable[nn.Module], mesh) -> None:  # noqa: ANN001 - a
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     for block in blocks:
-        if getattr(getattr(block, "spec", None), "qk_norm", False):
+        if isinstance(getattr(block, "spec", None), EncoderSpec) and block.spec.qk_norm:  # LLMs' is per head
             raise DflopError("the torch backend cannot split query-key normalisation (InternViT) over tensor "
                              "parallelism; use tp 1 for this encoder")
         names = {n for n, _ in block.named_children()}

@@ -11,16 +11,19 @@ It diagnoses, it does not correct: the parts of a profile move by different amou
 and whole steps by less than their ops, so rescaling a profile part by part from a
 check can bring the median step time closer while ordering the plans worse, and the
 order of plans is what the optimizer needs. When a check says the profile is off,
-measure it again.
+measure it again. A run (and `--calibrate`) does rescale, by ``calibrate``'s quick check, the
+predictions it reports (``dflop.cost.calibration``); it plans on the profile as recorded.
 """
 
 from __future__ import annotations
 
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from dflop.cost.calibration import Calibration
 from dflop.cost.store import ProfileStore, record_key
 from dflop.errors import DflopError
 from dflop.specs.progress import Progress
@@ -99,28 +102,31 @@ def _around(values: set[int], points: int = 1, near: float | None = None) -> tup
     return tuple(ordered[start:start + points])
 
 
-def probe_grid(kind: Module, records: list[dict[str, Any]], near: float | None = None) -> Grid:
-    """POINTS sizes of the grid the records were measured on (holdouts aside), centred on the one
+def probe_grid(kind: Module, records: list[dict[str, Any]], near: float | None = None,
+               points: int = POINTS) -> Grid:
+    """``points`` sizes of the grid the records were measured on (holdouts aside), centred on the one
     nearest ``near`` (LLM tokens or encoder tiles per microbatch; default the middle of the grid), every
     part at each; LLM blocks packed at the middle per-sample length measured at the centre size."""
     blocks = [r["shape"] for r in records if r["phase"] == "block" and not r.get("holdout")]
     if not blocks:
         raise DflopError(f"profile of {records[0]['model']}: no block records to measure again")
     if kind == Module.LLM:
-        tokens = _around({s["tokens"] for s in blocks}, POINTS, near)
+        tokens = _around({s["tokens"] for s in blocks}, points, near)
         centre = tokens[(len(tokens) - 1) // 2]
         seq = _around({s["seq"] for s in blocks if s["tokens"] == centre})
         return Grid(tokens=tokens, seq=seq, tiles=(), holdout_llm=(), holdout_tiles=())
-    return Grid(tokens=(), seq=(), tiles=_around({s["tiles"] for s in blocks}, POINTS, near), holdout_llm=(),
+    return Grid(tokens=(), seq=(), tiles=_around({s["tiles"] for s in blocks}, points, near), holdout_llm=(),
                 holdout_tiles=())
 
 
 def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cpu", llm: str | None = None,
                   tokens: float | None = None, tiles: float | None = None, repeats: int | None = None,
-                  progress: Progress | None = None) -> Drift:
+                  progress: Progress | None = None, tps: tuple[int, ...] | None = None,
+                  points: int = POINTS) -> Drift:
     """Measure again, the way they were measured (dtype, processes, threads), a few of ``records``'
     shapes of model ``name`` on this machine's ``device``, around microbatches of ``tokens`` (an LLM)
-    or ``tiles`` (an encoder) (see ``probe_grid``)."""
+    or ``tiles`` (an encoder) (see ``probe_grid``), at every stored TP degree (or those of ``tps``
+    that are stored, if any are)."""
     kind, spec = resolve(name)
     where = device_name(device)
     mine = [r for r in records if r["model"] == spec.name and r["device"] == where]
@@ -130,8 +136,9 @@ def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cp
     mine = [r for r in mine if r["dtype"] == dtype]
     processes, threads = Counter(_measured_by(r) for r in mine).most_common(1)[0][0]
     mine = [r for r in mine if _measured_by(r) == (processes, threads)]
-    tps = tuple(sorted({r["tp"] for r in mine if processes == 1 or processes % r["tp"] == 0}))
-    grid = probe_grid(kind, [r for r in mine if r["tp"] == tps[0]], tokens if kind == Module.LLM else tiles)
+    stored = tuple(sorted({r["tp"] for r in mine if processes == 1 or processes % r["tp"] == 0}))
+    tps = tuple(tp for tp in stored if tp in (tps or ())) or stored
+    grid = probe_grid(kind, [r for r in mine if r["tp"] == tps[0]], tokens if kind == Module.LLM else tiles, points)
     stored = {record_key(r): r for r in mine}
     with tempfile.TemporaryDirectory(prefix="dflop-drift-") as tmp:
         profile_model(spec.name, tmp, device=device, dtype=dtype, tps=tps, grid=grid, repeats=repeats,
@@ -148,3 +155,29 @@ def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cp
 def _measured_by(record: dict[str, Any]) -> tuple[int, int | None]:
     """Processes and threads per process (None: not recorded, measured again at the default)."""
     return record.get("processes", 1), record.get("threads")
+
+
+CALIBRATION_POINTS = 1
+"""Sizes per part a run's calibration measures: the grid size nearest its microbatch (each one more
+adds a second of measuring per part, and the larger of them several)."""
+CALIBRATION_REPEATS = 3
+"""Timed repeats per shape of a run's calibration: a few seconds in all, next to a run of minutes."""
+
+
+def calibrate(records: list[dict[str, Any]], sizes: dict[str, float | None], *, device: str = "cpu",
+              tps: dict[str, tuple[int, ...]] | None = None, llm: str | None = None,
+              progress: Progress | None = None) -> Calibration:
+    """The quick check a run makes before its first step (``dflop.cost.calibration``): per model of
+    ``sizes`` (its name: LLM tokens or encoder tiles per microbatch, None for the middle of the grid),
+    ``CALIBRATION_POINTS`` sizes of every part at the TP degrees of ``tps`` (the plan's), each
+    ``CALIBRATION_REPEATS`` times, measured as the profile was."""
+    start = time.perf_counter()
+    shapes = []
+    for name, size in sizes.items():
+        kind, _ = resolve(name)
+        d = measure_drift(records, name, device=device, llm=llm, tokens=size if kind == Module.LLM else None,
+                          tiles=size if kind == Module.ENCODER else None, repeats=CALIBRATION_REPEATS,
+                          progress=progress, tps=(tps or {}).get(name), points=CALIBRATION_POINTS)
+        shapes += [{"model": d.model, "module": s.record["module"], "tp": s.record["tp"], "part": s.record["phase"],
+                    "shape": s.record["shape"], "then_ms": s.then_ms, "now_ms": s.now_ms} for s in d.shapes]
+    return Calibration.of(shapes, time.perf_counter() - start)

@@ -57,6 +57,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
+import platform
 import statistics
 import threading
 import time
@@ -128,6 +130,57 @@ def resolve(name: str) -> tuple[Module, EncoderSpec | LLMSpec]:
 
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def machine_identity(device: str, threads: int) -> dict[str, Any]:
+    """Where shapes are measured, as plain data (``dflop.cost.store.MACHINE_FIELDS``): the same
+    shapes run at another speed on another CPU model or instruction set (the ATen kernels torch
+    picked), core count, memory, torch or Python, or on another GPU, driver, CUDA or NCCL; a
+    profile records it so that a machine that uses the profile can say where it differs.
+    ``threads``: torch threads per measuring process. Taken once per profiling session."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    identity: dict[str, Any] = {"cpu": _cpu_model() or platform.processor() or platform.machine(),
+                                "capability": torch.backends.cpu.get_cpu_capability(), "cores": cores,
+                                "threads": threads, "memory_gib": _memory_gib(),
+                                "torch": torch.__version__, "python": platform.python_version()}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+        identity |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+                     "driver": _nvidia_driver(), "cuda": torch.version.cuda,
+                     "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}
+    return identity
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name (Linux: /proc/cpuinfo), None where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":")[0].strip() in ("model name", "Processor"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _memory_gib() -> float | None:
+    """Total memory in GiB (to a tenth), None where the OS does not say."""
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver's version (from NVML, where it is installed), None otherwise."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else version
+    except Exception:  # no NVML, no driver: the identity says nothing of it
+        return None
 
 
 def require_device(device: str) -> None:
@@ -538,6 +591,7 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
               _lock_step(processes, name, str(out), options, tps, indices, warmup, repeats,
                          threads, bool(r.fsdp)) as (barrier, meshes)):
             torch.manual_seed(0)
+            machine = machine_identity(device, torch.get_num_threads())
             todo = _todo(r, tps, device, meshes)
             for index, (tp, (phase, shape, holdout, make_module, make_inputs)) in enumerate(todo):
                 if progress is not None and not again_:
@@ -552,6 +606,7 @@ def profile_model(name: str, out: str | Path, *, device: str = "cpu", dtype: str
                 figures = _measure_job(phase, module, make_inputs, device, warmup, repeats, meshes, tp)
                 r.store.append({**records[index], **figures, "holdout": holdout, "repeats": repeats,
                                 "torch": torch.__version__, "threads": torch.get_num_threads(), "processes": processes,
+                                "machine": machine,
                                 **({"freed_memory": "kept" if kept else "returned"} if device == "cpu" else {}),
                                 "measured_at": datetime.now(timezone.utc).isoformat()})
 

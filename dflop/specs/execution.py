@@ -56,6 +56,10 @@ class ExecutionSpec:
     """Point-to-point and collective timeout: a lost peer fails the run after this at the latest."""
     checkpoint_every: int = field(default=0, metadata=limit(0, MAX_STEPS))
     """Save a checkpoint (torch.distributed.checkpoint) every this many steps; 0: never."""
+    calibrate: bool = True
+    """Before the first step, measure a few of the profile's shapes here and scale the run's reported
+    predictions by what they ran at (``dflop.cost.calibration``): a profile measured on another machine
+    prices every step off by the ratio between the two."""
 
     def __post_init__(self) -> None:
         check_numbers(self)

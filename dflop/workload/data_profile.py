@@ -102,11 +102,20 @@ class DataProfile:
         table = SampleTable.from_columns(data["samples"], str(path))
         return cls(table.with_ids(unique_ids(table.ids)[0]), data.get("source", {}))
 
+    def check_rule(self, encoder: EncoderSpec, where: str) -> None:
+        """Refuse a profile made under another encoder's tiling rule: its tiles are that encoder's
+        (a 384-pixel SigLIP tile, a 28-pixel Qwen2-VL token), so its shapes do not carry over. A
+        profile that names no rule (made before profiles named theirs) is taken as it is."""
+        rule = self.source.get("rule") if isinstance(self.source, dict) else None
+        if rule is not None and rule != encoder.rule:
+            raise DflopError(f"{where}: made under the {rule} rule (encoder {self.source.get('encoder')}), but the "
+                             f"encoder {encoder.name} uses the {encoder.rule} rule; profile the data with it")
+
 
 def profile_mix(spec: MixSpec | str, samples: int, encoder: EncoderSpec, seed: int = 0) -> DataProfile:
     spec = mix(spec) if isinstance(spec, str) else spec
     table = synthesize(spec, samples, encoder, seed)
-    return DataProfile(table, {"kind": "preset", "name": spec.name, "encoder": encoder.name,
+    return DataProfile(table, {"kind": "preset", "name": spec.name, "encoder": encoder.name, "rule": encoder.rule,
                                "seed": seed, "description": spec.description, "source": spec.source})
 
 
@@ -119,6 +128,7 @@ def profile_dataset(path: str | Path, encoder: EncoderSpec, *, format: str = "au
                            tokenizer=tokenizer, skip_bad=skip_bad, limit=samples, seed=seed)
     return DataProfile(report.samples, {
         "kind": "dataset", "path": str(path), "dataset_kind": report.kind, "encoder": encoder.name,
+        "rule": encoder.rule,
         "sources": report.sources, "skipped": report.skipped,
         "skipped_reasons": dict(report.skips.counts.most_common()),
         "skipped_examples": report.problems, "renamed_ids": report.renamed_ids,

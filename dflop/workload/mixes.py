@@ -121,7 +121,7 @@ def synthesize(spec: MixSpec, n: int, encoder: EncoderSpec, seed: int = 0,
             tiles[rows], image_tokens[rows] = vision.single_images(width, height, tiling)
         elif m is Modality.MULTI_IMAGE:
             count = np.maximum(2, np.round(spec.multi_images.draw(rng, len(rows)))).astype(np.int64)
-            if tiling.multi_image == "one_tile":
+            if tiling.multi_image == "one_tile" and tiling.scheme != "native":
                 tiles[rows], image_tokens[rows] = vision.multi_images(count, tiling)
             else:  # sizes matter only here, so the draws of one-tile encoders stay as they were
                 owner = np.repeat(np.arange(len(rows)), count)
@@ -131,8 +131,12 @@ def synthesize(spec: MixSpec, n: int, encoder: EncoderSpec, seed: int = 0,
                 image_tokens[rows] = np.bincount(owner, part_tokens, len(rows)).astype(np.int64)
         elif m is Modality.VIDEO:
             seconds = spec.video_seconds.draw(rng, len(rows))
-            frames = (vision.uniform_frames(len(rows), tiling, rng) if tiling.video_sampling == "uniform"
-                      else vision.video_frames(seconds, tiling))
+            if tiling.scheme == "native":
+                none = np.zeros(len(rows))
+                frames = vision.native_frames(none, seconds, none, none, tiling)
+            else:
+                frames = (vision.uniform_frames(len(rows), tiling, rng) if tiling.video_sampling == "uniform"
+                          else vision.video_frames(seconds, tiling))
             tiles[rows], image_tokens[rows] = vision.videos(frames, tiling)
     ids = np.array([f"{id_prefix}{i}" for i in range(n)], dtype=object)
     return SampleTable(ids, modality, tiles, text_tokens, image_tokens)

@@ -92,6 +92,10 @@ class ShapeColumns:
 
     def _frames(self, tiling: TilingSpec, rng: np.random.Generator) -> np.ndarray:
         given = np.array(self.video[1], dtype=np.int64)
+        if tiling.scheme == "native":
+            return vision.native_frames(given, np.array(self.video[2], dtype=float),
+                                        np.array(self.video[3], dtype=np.int64), np.array(self.video[4], dtype=float),
+                                        tiling)
         if tiling.video_sampling == "uniform":
             return np.where(given > 0, given, vision.uniform_frames(len(given), tiling, rng))
         duration = vision.video_frames(np.array(self.video[2], dtype=float), tiling)

@@ -3,7 +3,8 @@
 Vectorised over samples, because synthetic mixes and data profiles run these
 rules on hundreds of thousands of images. The arithmetic follows the reference
 implementations step by step (LLaVA-NeXT's ``select_best_resolution`` and
-``unpad_image`` with ``anyres_max_N``; InternVL's ``dynamic_preprocess``), so
+``unpad_image`` with ``anyres_max_N``; InternVL's ``dynamic_preprocess``; Qwen2-VL's
+``smart_resize`` and frame sampling), so
 that counts match what those models feed their encoders.
 """
 
@@ -16,6 +17,8 @@ from dflop.specs.models import TilingSpec
 
 def _anyres_grids(t: TilingSpec) -> np.ndarray:
     """Candidate (width, height) resolutions in LLaVA-NeXT's order."""
+    if t.pinpoints:
+        return np.array([(w, h) for h, w in t.pinpoints], dtype=float)
     return np.array([(i * t.tile_size, j * t.tile_size)
                      for i in range(1, t.max_grid + 1) for j in range(1, t.max_grid + 1)], dtype=float)
 
@@ -97,12 +100,44 @@ def _dynamic(width: np.ndarray, height: np.ndarray, t: TilingSpec) -> tuple[np.n
     return tiles, tiles * t.tile_tokens
 
 
+NOMINAL_VIDEO_FRAME = (640, 360)
+"""Manifests give a video's length, not its frame size: a native-resolution rule (Qwen2-VL) counts
+every video frame at 640 x 360 pixels (299 tokens a temporal patch within the video pixel bounds)."""
+
+
+def smart_resize(width: np.ndarray, height: np.ndarray, factor: int, min_pixels: int,
+                 max_pixels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen2-VL's ``smart_resize``: each side rounded to a multiple of ``factor``, then scaled
+    (keeping the aspect ratio) into ``min_pixels``..``max_pixels``; returns (width, height)."""
+    w, h = np.asarray(width, dtype=float), np.asarray(height, dtype=float)
+    w_bar, h_bar = np.round(w / factor) * factor, np.round(h / factor) * factor
+    big, small = h_bar * w_bar > max_pixels, h_bar * w_bar < min_pixels
+    down = np.sqrt(h * w / max_pixels)
+    up = np.sqrt(min_pixels / (h * w))
+    h_bar = np.where(big, np.maximum(factor, np.floor(h / down / factor) * factor),
+                     np.where(small, np.ceil(h * up / factor) * factor, h_bar))
+    w_bar = np.where(big, np.maximum(factor, np.floor(w / down / factor) * factor),
+                     np.where(small, np.ceil(w * up / factor) * factor, w_bar))
+    return w_bar.astype(np.int64), h_bar.astype(np.int64)
+
+
+def native_tokens(width: np.ndarray, height: np.ndarray, t: TilingSpec, video: bool = False) -> np.ndarray:
+    """LLM tokens of one image (or one temporal patch of a video) at native resolution:
+    ``(h / 28) * (w / 28)`` after ``smart_resize``, the encoder's patches merged 2 x 2."""
+    bounds = (t.video_min_pixels, t.video_max_pixels) if video else (t.min_pixels, t.max_pixels)
+    w, h = smart_resize(width, height, t.tile_size, *bounds)
+    return (w // t.tile_size) * (h // t.tile_size)
+
+
 def single_images(width: np.ndarray, height: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
     """Tiles and LLM tokens of single images of the given pixel sizes."""
     width = np.asarray(width, dtype=np.int64)
     height = np.asarray(height, dtype=np.int64)
     if len(width) and (width.min() < 1 or height.min() < 1):
         raise ValueError("image sizes must be at least 1 x 1 pixel")
+    if t.scheme == "native":
+        tokens = native_tokens(width, height, t)
+        return tokens, tokens
     if t.scheme == "anyres":
         return _anyres(width, height, t)
     return _dynamic(width, height, t)
@@ -126,6 +161,8 @@ def multi_image_parts(width: np.ndarray, height: np.ndarray, images: np.ndarray,
     ``multi_modal_multi_image_get_item``) dynamic tiling with at most ``max(1, max_tiles // n)``
     tiles plus a thumbnail."""
     images = np.asarray(images, dtype=np.int64)
+    if t.scheme == "native":
+        return single_images(width, height, t)
     if t.multi_image == "one_tile":
         return multi_images(np.ones_like(images), t)
     budget = np.maximum(1, t.max_tiles // np.maximum(images, 1))
@@ -147,6 +184,24 @@ def header_frames(total_frames: np.ndarray, average_fps: np.ndarray, t: TilingSp
     return np.clip(frames, 1, t.max_frames)
 
 
+def native_frames(given: np.ndarray, duration_s: np.ndarray, total_frames: np.ndarray,
+                  average_fps: np.ndarray, t: TilingSpec) -> np.ndarray:
+    """Qwen2-VL's video processor: frames given as a list are all used (padded with the last to a
+    whole temporal patch); otherwise ``fps`` per second of video, at least ``min_frames``, at most
+    ``max_frames`` and the video's own frames (from its header when known), rounded down to whole
+    temporal patches."""
+    tp = t.temporal_patch
+    total = np.asarray(total_frames, dtype=np.int64)
+    known = total > 0
+    seconds = np.where(known, total / np.where(known, np.asarray(average_fps, dtype=float), 1.0),
+                       np.asarray(duration_s, dtype=float))
+    cap = np.where(known, np.minimum(t.max_frames, total) // tp * tp, t.max_frames // tp * tp)
+    frames = np.minimum(np.minimum(np.maximum(seconds * t.fps, t.min_frames), cap), np.where(known, total, cap))
+    sampled = (np.floor(frames / tp) * tp).astype(np.int64)
+    given = np.asarray(given, dtype=np.int64)
+    return np.maximum(np.where(given > 0, -(-given // tp) * tp, sampled), tp)
+
+
 def uniform_frames(n: int, t: TilingSpec, rng: np.random.Generator) -> np.ndarray:
     """InternVL's ``read_frames_decord``: ``min_frames`` to ``max_frames`` frames a video, drawn
     uniformly whatever its length (short videos are padded with their last frame)."""
@@ -154,7 +209,12 @@ def uniform_frames(n: int, t: TilingSpec, rng: np.random.Generator) -> np.ndarra
 
 
 def videos(frames: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
-    """Tiles and LLM tokens of videos fed ``frames`` frames each (capped at max_frames)."""
+    """Tiles and LLM tokens of videos fed ``frames`` frames each (capped at max_frames; native:
+    ``frame_tokens`` per temporal patch of ``temporal_patch`` frames, every token a tile)."""
+    if t.scheme == "native":
+        per_patch = native_tokens(*(np.array([side]) for side in NOMINAL_VIDEO_FRAME), t, video=True)[0]
+        tokens = -(-np.asarray(frames, dtype=np.int64) // t.temporal_patch) * per_patch
+        return tokens, tokens
     frames = np.clip(np.asarray(frames, dtype=np.int64), 1, t.max_frames)
     per_frame = t.frame_tokens
     extra = np.zeros_like(frames)

@@ -1,0 +1,117 @@
+"""Whether a profiled cost model fits the machine it is used on, and its calibration to it.
+
+A profile records the machine it was measured on (``dflop.profile.profiler.machine_identity``);
+this machine's identity is taken the same way, and a job that prices with a profile measured
+elsewhere (or on a machine it does not name) says so, naming what differs. Calibrating measures a
+few of the profile's shapes here (``dflop.profile.drift.calibrate``) and scales the cost model by
+what they ran at (``dflop.cost.calibration``). The profiler's side (torch) is imported only when
+called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import numpy as np
+
+from dflop.backends.base import ScheduledBatch
+from dflop.cost.calibration import Calibration, calibrated
+from dflop.cost.profiled import ProfiledCostModel
+from dflop.cost.protocol import CostModel
+from dflop.cost.store import machine_difference, profile_machine
+from dflop.errors import DflopError
+from dflop.specs import presets
+from dflop.specs.execution import CPU_THREADS
+from dflop.specs.plan import Plan
+
+from dflop.jobs.setup import Setup
+
+CHECK = ("`dflop profile check` measures how far its times are off here; `dflop profile model` measures "
+         "a profile of this machine")
+
+
+def profile_device(cost: ProfiledCostModel) -> str | None:
+    """The device this machine runs ``cost``'s profile on ('cpu', 'cuda'); None when it has none
+    (a GPU's profile on a machine without that GPU)."""
+    if cost.device == "cpu":
+        return "cpu"
+    from dflop.profile.profiler import device_name
+
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and device_name("cuda") == cost.device else None
+
+
+def machine_note(cost: CostModel, device: str | None = None) -> str:
+    """'' when ``cost`` is not profiled or its profile was measured on this machine (on ``device``,
+    by default the profile's own); else the line naming what differs."""
+    if not isinstance(cost, ProfiledCostModel):
+        return ""
+    from dflop.profile.profiler import machine_identity
+
+    here = machine_identity(device or profile_device(cost) or "cpu", CPU_THREADS)
+    return machine_difference(profile_machine(cost.records), here)
+
+
+def calibrate_cost(cost: CostModel, log: Callable[[str], None], sizes: dict[str, float | None] | None = None,
+              tps: dict[str, tuple[int, ...]] | None = None) -> tuple[CostModel, Calibration | None]:
+    """(``cost`` scaled to this machine, what the check found); ``cost`` and None, with a line
+    saying why, where it cannot be calibrated here. ``sizes`` and ``tps``: per model, the
+    microbatch size and TP degrees to measure at (default: the middle of the profile's grid, every
+    TP degree)."""
+    if not isinstance(cost, ProfiledCostModel):
+        log("dflop: no calibration: the analytical cost model holds no measured shapes to measure again")
+        return cost, None
+    device = profile_device(cost)
+    if device is None:
+        log(f"dflop: cannot calibrate: the profile was measured on {cost.device}, which this machine does not have")
+        return cost, None
+    from dflop.profile.drift import calibrate as measure
+
+    names = (cost.model.encoder.name, cost.model.llm.name)
+    if unknown := [n for n in names if n not in presets.names("encoders") + presets.names("llms")]:
+        log(f"dflop: cannot calibrate: {unknown[0]} is not a model the profiler builds (a preset); predictions use "
+            "the profile as recorded")
+        return cost, None
+    try:
+        found = measure(cost.records, sizes or dict.fromkeys(names), device=device, tps=tps, llm=cost.model.llm.name)
+    except DflopError as exc:  # a model the profiler cannot build: the job goes on, said uncalibrated
+        log(f"dflop: cannot calibrate: {exc}; predictions use the profile as recorded")
+        return cost, None
+    log(f"dflop: calibration: shapes ran {found.ratio:.2f}x the recorded time here ("
+        + ", ".join(f"{part} {r:.2f}x" for part, r in found.ratios.items())
+        + f"; {len(found.shapes)} shapes in {found.seconds:.1f} s); predictions scaled")
+    return calibrated(cost, found), found
+
+
+def microbatch_size(steps: list[ScheduledBatch], field: str) -> float:
+    """The size of the microbatch the steps spend the median unit of ``field`` in (``llm_tokens`` or
+    ``tiles``): where a check of the profile should measure it again (0 when the steps hold none)."""
+    sizes = np.concatenate([np.bincount(s.assignment, weights=getattr(s.batch, field)) for s in steps])
+    sizes = np.sort(sizes[sizes > 0])
+    return float(sizes[np.searchsorted(np.cumsum(sizes), sizes.sum() / 2)]) if len(sizes) else 0.0
+
+
+def microbatch_sizes(cost: ProfiledCostModel, arms: list[tuple[Plan, list[ScheduledBatch]]]
+                     ) -> tuple[dict[str, float | None], dict[str, tuple[int, ...]]]:
+    """Per model of ``cost``: the arms' microbatch size (``microbatch_size``: LLM tokens, encoder
+    tiles; None, the middle of the grid, where they hold none), and the TP degrees their plans run it at."""
+    steps = [step for _, arm in arms for step in arm]
+    tokens, tiles = microbatch_size(steps, "llm_tokens"), microbatch_size(steps, "tiles")
+    encoder, llm = cost.model.encoder.name, cost.model.llm.name
+    return ({encoder: tiles or None, llm: tokens or None},
+            {encoder: tuple(sorted({p.encoder.tp for p, _ in arms})), llm: tuple(sorted({p.llm.tp for p, _ in arms}))})
+
+
+def check_machine(s: Setup, calibrate: bool, log: Callable[[str], None]) -> Setup:
+    """A planning job's (`dflop optimize`, `dflop simulate`) check of its cost model: a line when its
+    profile was measured elsewhere, pointing to what measures it here; with ``calibrate``, ``s``
+    with its cost model calibrated at the middle of the profile's grid (the plan, whose microbatch
+    sizes a run measures around, is not known yet), planning included."""
+    if note := machine_note(s.system.cost):
+        log(f"dflop: warning: {note}: {CHECK}" + ("" if calibrate else " (--calibrate scales it to this machine)"))
+    if not calibrate:
+        return s
+    cost, _ = calibrate_cost(s.system.cost, log)
+    return replace(s, system=replace(s.system, cost=cost))
