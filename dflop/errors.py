@@ -6,6 +6,7 @@ CLI prints that line and exits with status 2. Anything else is a bug.
 """
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -65,3 +66,13 @@ def check_output(path: str | Path, *, folder: bool = False, suffixes: tuple[str,
     except OSError as exc:
         raise DflopError(f"{path}: cannot be written, {nearest} is not writable ({exc.strerror})") from None
     return path
+
+
+def remove_left_over(paths: list[Path]) -> None:
+    """Remove the files and folders an earlier run left, before a new run writes its own; the one
+    that cannot be removed is named in one line."""
+    try:
+        for p in paths:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    except OSError as exc:
+        raise DflopError(f"{exc.filename}: cannot remove what an earlier run left ({exc.strerror})") from None

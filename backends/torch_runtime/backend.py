@@ -19,21 +19,20 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import shutil
 import signal
 import tempfile
 import threading
 import uuid
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from dflop.backends.base import BackendResult, Observer, ScheduledBatch, ObservedStep, T, get_backend
-from dflop.errors import DflopError
+from dflop.errors import DflopError, remove_left_over
 from dflop.timing.steps import CostedPlan
 from dflop.specs.execution import Device, DType
 from dflop.specs.hardware import ClusterSpec
@@ -148,13 +147,13 @@ class TorchBackend:
                          torchrun_placement(self.options.device, self.options.timeout_s))
         opts = self.options
         if self.folder is not None and opts.checkpoint_every:
-            opts = _with(opts, checkpoint_dir=str(self.folder / "checkpoints" / (meta or {})["name"]))
+            opts = replace(opts, checkpoint_dir=str(self.folder / "checkpoints" / (meta or {})["name"]))
         if opts.resume and opts.checkpoint_dir:
             found = checkpoint.resume_point(Path(opts.checkpoint_dir), len(steps),
                                             checkpoint.identity(opts.seed, runner.plan))
-            opts = _with(opts, resume_from=str(found) if found is not None else "")
+            opts = replace(opts, resume_from=str(found) if found is not None else "")
         with tempfile.TemporaryDirectory(prefix="dflop-progress-") as progress:
-            opts = opts if opts.progress_dir else _with(opts, progress_dir=progress)
+            opts = opts if opts.progress_dir else replace(opts, progress_dir=progress)
             payload = Payload(runner.plan, runner.system.model, [s.batch for s in steps],
                               [np.asarray(s.assignment) for s in steps], opts, runner.system.cluster.gpus_per_node)
             results = self._launch(payload, Path(opts.progress_dir))
@@ -180,7 +179,7 @@ class TorchBackend:
                                         timeout=datetime.timedelta(seconds=config.execution.timeout_s))
         spec = config.execution
         before = self.options, self.folder, self.planned
-        self.options = _with(self.options, **{f.name: getattr(spec, f.name) for f in fields(spec)},
+        self.options = replace(self.options, **{f.name: getattr(spec, f.name) for f in fields(spec)},
                              seed=config.seed, resume=resume)
         self.folder, self.planned = folder, resume
         try:
@@ -377,12 +376,6 @@ def _own_signal_handlers() -> Iterator[None]:
                 signal.signal(getattr(signal, n), handler)
 
 
-def _with(options: TorchOptions, **changes: Any) -> TorchOptions:
-    from dataclasses import replace
-
-    return replace(options, **changes)
-
-
 def _failure_message(exc: Any, progress: Path) -> tuple[str, str]:
     """(one line: which rank failed first and how, where it was; the failing rank's traceback)."""
     rank, failure = min(exc.failures.items())
@@ -407,11 +400,7 @@ def _clear_checkpoints(folder: Path, arms: Iterable[str], log: Callable[[str], N
     arms, so that a resume of this run sees its own alone; any other file stays."""
     found = [p for arm in arms for p in (folder / arm).glob("step-*")
              if checkpoint.STEP.fullmatch(p.name) and p.is_dir()]
-    try:
-        for d in found:
-            shutil.rmtree(d)
-    except OSError as exc:
-        raise DflopError(f"{exc.filename}: cannot remove what an earlier run left ({exc.strerror})") from None
+    remove_left_over(found)
     if found:
         log(f"dflop: {folder}: removed the checkpoints an earlier run left there ({len(found)})")
 

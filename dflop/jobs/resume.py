@@ -21,7 +21,7 @@ import numpy as np
 
 from dflop.backends.base import ScheduledBatch
 from dflop.cost.system import System
-from dflop.errors import DflopError, ensure_writable_folder
+from dflop.errors import DflopError, ensure_writable_folder, remove_left_over
 from dflop.schedule.batching import Batching
 from dflop.specs.loading import load_json, save_json, shown, to_mapping
 from dflop.specs.plan import Plan
@@ -62,11 +62,7 @@ def clear(folder: Path, log: Log) -> None:
                   for kind in ("plan.yaml", "result.json", "trace.json", "predicted.trace.json")]
         files += [p for p in (folder / "schedules" / name).glob("step-*.json") if SCHEDULE.fullmatch(p.name)]
     files = [f for f in files if f.is_file()]
-    try:
-        for f in files:
-            f.unlink()
-    except OSError as exc:
-        raise DflopError(f"{exc.filename}: cannot remove what an earlier run left ({exc.strerror})") from None
+    remove_left_over(files)
     if files:
         log(f"dflop: {folder}: removed what an earlier run left there ({len(files)} files)")
 
