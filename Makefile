@@ -5,7 +5,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.dflop-installed
 ARGS   ?=
 
-.PHONY: run test bench notebooks clean
+.PHONY: run test bench gpu-check notebooks clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,20 @@ test: $(STAMP)
 # One thread per process, as the torch backend's CPU ranks and the shipped CPU profile run.
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python benchmarks/report.py $(ARGS)
+
+# What only a GPU can show (benchmarks/gpu_check.py), in at most 8 minutes, into
+# benchmarks/results/gpu-<device>-<date>/ and REPORT.md. It runs under GPU_PYTHON, the Python that
+# holds the GPU machine's CUDA torch (dflop and its dependencies importable there). DRY=1: the same
+# steps on this machine's CPU with tiny shapes, into GPU_CHECK_OUT (`make test` runs it).
+GPU_PYTHON    ?= python3
+GPU_CHECK_OUT ?= $(shell mktemp -d)
+ifeq ($(DRY),1)
+gpu-check: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python benchmarks/gpu_check.py --dry --out $(GPU_CHECK_OUT) $(ARGS)
+else
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(ARGS)
+endif
 
 # Execute every notebook (or NOTEBOOKS="notebooks/x.ipynb ...") and store it with its outputs.
 notebooks: $(STAMP)

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpu_check import REPORT_END, REPORT_START, report_section
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -159,7 +161,8 @@ def _section(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
+def render(results: list[dict[str, Any]], where: dict[str, Any], gpu: list[str] = ()) -> str:
+    """The report: the CPU benchmarks' ``results``, then the sections of the GPU checks (``gpu_check``)."""
     quick = any(r.get("quick") for r in results) or where.get("quick", False)
     lines = ["# Benchmark report", ""]
     if quick:
@@ -171,7 +174,14 @@ def render(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
               "- every figure comes from the run below; ratios compare things measured in the same run", ""]
     for r in results:
         lines += _section(r)
+    lines += [f"{REPORT_START}\n{section}{REPORT_END}\n" for section in gpu]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def gpu_sections(folder: Path) -> list[str]:
+    """A section per GPU check in ``folder`` (``gpu-*/gpu_check.json``; `make gpu-check`), oldest first."""
+    return [report_section(json.loads(p.read_text()), str(p.parent.relative_to(HERE.parent)))
+            for p in sorted(folder.glob("gpu-*/gpu_check.json")) if not json.loads(p.read_text()).get("dry")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if not results or not (folder / "machine.json").exists():
         parser.error(f"no results in {folder} to render")
     report = args.out / "REPORT.md"
-    report.write_text(render(results, json.loads((folder / "machine.json").read_text())))
+    report.write_text(render(results, json.loads((folder / "machine.json").read_text()), gpu_sections(folder)))
     print(f"report: {report} ({len(results)} benchmarks)", file=sys.stderr)
     return 0 if all(r.get("returncode", 0) == 0 for r in results) else 1
 

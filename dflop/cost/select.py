@@ -23,23 +23,24 @@ def select_cost_model(model: MLLMSpec, hardware: HardwareSpec, training: Trainin
     architecture: a profile of a model of the same name but other widths (a config's own
     ``tiny-llm``, 4096 wide) would price it dozens of times too fast, so it is not used."""
     specs = {Module.ENCODER: model.encoder, Module.LLM: model.llm}
-    records, other = [], ""
+    usable, other = [], ""
     for r, where in load_sourced(profiles, warn):
         if r["device"] not in hardware.device_names or r["model"] != specs[r["module"]].name:
             continue
         mismatch = architecture_mismatch(r, specs[r["module"]])
         if not mismatch:
-            records.append(r)
+            usable.append((r, where))
         elif not other:
             other = f"the profile of {r['model']} in {where} was measured on another architecture ({mismatch})"
     for dtype in ("bfloat16", "float32", "float16"):
-        mine = [r for r in records if r["dtype"] == dtype]
+        mine = [r for r, _ in usable if r["dtype"] == dtype]
         covered = {r["module"] for r in mine if r["phase"] == "block"}
         if covered == set(MODULES):
             cost = ProfiledCostModel(model, hardware, training, mine, device=mine[0]["device"], dtype=dtype)
             err = cost.holdout_error()
-            return cost, (f"cost model: {cost.name}, held-out error median {err['median']:.1%} "
-                          f"on {err['shapes']} shapes")
+            sources = sorted({where for r, where in usable if r["dtype"] == dtype})
+            return cost, (f"cost model: {cost.name} from {', '.join(sources)}, "
+                          f"held-out error median {err['median']:.1%} on {err['shapes']} shapes")
     return (AnalyticalCostModel(model, hardware, training),
             f"cost model: analytical ({hardware.name}; " + (other or f"no measured profile of {model.encoder.name} "
                                                              f"and {model.llm.name} on this device") + ")")

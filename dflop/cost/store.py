@@ -206,21 +206,27 @@ def read_records(text: str, where: str, warn: Callable[[str], None] | None = Non
 SHIPPED = "dflop/cost/profiles"
 
 
-def shipped_records(warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Profiles that ship with dflop (measured on the machines their ``device`` names)."""
+def shipped_sourced(warn: Callable[[str], None] | None = None) -> list[tuple[dict[str, Any], str]]:
+    """(record, its file) of the profiles that ship with dflop (measured on the machines their
+    ``device`` names)."""
     folder = resources.files("dflop.cost").joinpath("profiles")
-    out: list[dict[str, Any]] = []
+    out: list[tuple[dict[str, Any], str]] = []
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".jsonl"):
-            out.extend(read_records(entry.read_text(), f"{SHIPPED}/{entry.name}", warn))
+            where = f"{SHIPPED}/{entry.name}"
+            out.extend((r, where) for r in read_records(entry.read_text(), where, warn))
     return out
+
+
+def shipped_records(warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    return [r for r, _ in shipped_sourced(warn)]
 
 
 def load_sourced(folders: Iterable[str | Path] = (), warn: Callable[[str], None] | None = None,
                  shipped: bool = True) -> list[tuple[dict[str, Any], str]]:
     """(record, the folder it comes from) of the shipped records and every store folder's,
     de-duplicated (later sources win)."""
-    latest = {record_key(r): (r, SHIPPED) for r in (shipped_records(warn) if shipped else [])}
+    latest = {record_key(r): (r, where) for r, where in (shipped_sourced(warn) if shipped else [])}
     for folder in folders:
         latest.update((record_key(r), (r, str(folder))) for r in ProfileStore(Path(folder) / FILENAME).read(warn))
     return list(latest.values())

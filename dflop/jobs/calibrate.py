@@ -45,12 +45,17 @@ def profile_device(cost: ProfiledCostModel) -> str | None:
 
 def machine_note(cost: CostModel, device: str | None = None) -> str:
     """'' when ``cost`` is not profiled or its profile was measured on this machine (on ``device``,
-    by default the profile's own); else the line naming what differs."""
+    by default the profile's own), or on a GPU this machine does not have (planning for a cluster from
+    elsewhere: the profile is that GPU's, and nothing here can say otherwise); else the line naming
+    what differs."""
     if not isinstance(cost, ProfiledCostModel):
+        return ""
+    device = device or profile_device(cost)
+    if device is None:
         return ""
     from dflop.profile.profiler import machine_identity
 
-    here = machine_identity(device or profile_device(cost) or "cpu", CPU_THREADS)
+    here = machine_identity(device, CPU_THREADS)
     return machine_difference(profile_machine(cost.records), here)
 
 

@@ -130,7 +130,8 @@ def implausible(name: str, mfu: float | None, hardware: HardwareSpec) -> list[st
     if mfu is None or mfu <= bound:
         return []
     return [f"{name}: predicted MFU {mfu:.1%} exceeds the plausible {bound:.0%} for {hardware.name} "
-            f"(the efficiency curve is an assumption, not calibrated on this GPU)"]
+            + (f"(its efficiency curve is refitted from {hardware.calibrated_from})" if hardware.calibrated_from
+               else "(the efficiency curve is an assumption, not calibrated on this GPU)")]
 
 
 def explain(result: OptimizeResult, usable: float) -> list[str]:

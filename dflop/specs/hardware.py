@@ -53,6 +53,9 @@ class HardwareSpec:
     """Names the runtime reports for this device (torch.cuda.get_device_name(), or 'cpu'):
     measured profiles from these devices apply to this hardware."""
     source: str = ""
+    calibrated_from: str = ""
+    """The measurement ``efficiency`` was refitted from (a `make gpu-check` results file); empty: the
+    curve is an assumption, and its predictions carry ``UNCALIBRATED_ERROR``."""
 
     def __post_init__(self) -> None:
         check_numbers(self)
