@@ -1,6 +1,6 @@
 """Optimizer: dflop against every baseline people run, with the speedup's decomposition and MFU.
 
-Run: .venv/bin/python benchmarks/bench_optimizer.py [--quick]
+Run: .venv/bin/python benchmarks/bench_optimizer.py [--quick] [--max-seconds S]
 Each setting: 8 samples per GPU, H100 nodes of 8, the analytical cost model, recomputation chosen
 per plan. Step times are the optimizer's Monte-Carlo means (the same sampled batches for every plan
 and rule, fast evaluator, no SimPy confirmation). Baselines: Megatron-style and PyTorch-style plan
@@ -30,6 +30,7 @@ SETTINGS = (
     ("siglip-so400m", "qwen2.5-7b", "llava-ov", 64),
     ("siglip-so400m", "qwen2.5-7b", "video-heavy", 256),
     ("siglip-so400m", "qwen2.5-7b", "llava-ov", 1024),
+    ("siglip-so400m", "qwen2.5-7b", "llava-ov", 8192),
     ("siglip-so400m", "qwen2.5-32b", "image-heavy", 64),
     ("siglip-so400m", "qwen2.5-72b", "llava-ov", 128),
     ("internvit-6b", "qwen2.5-7b", "video-heavy", 32),
@@ -62,31 +63,34 @@ def rows(name: str, r: OptimizeResult, seconds: float) -> tuple[str, str, str]:
         main = f"| {name} | {best.mean:.3f} ({mfu:.0%}) | no baseline fits | | | | | {seconds:.0f} |"
     else:
         d = r.decomposition or {"plan_gain": None, "balance_gain": None}
-        e = r.speedup_at_error()
+        e = r.speedup_at_error() or {"speedup": None, "plan_gain": None, "balance_gain": None}  # past a deadline
         gain = f"{r.speedup:.2f}x" + (" (none)" if r.speedup < 1.005 else "")
         main = (f"| {name} | {best.mean:.3f} ({mfu:.0%}) | {b.name}: {b.best.mean:.3f} "
                 f"({float(np.mean(b.best.mfu)):.0%}) | {gain} | {x(d['plan_gain'])} | {x(d['balance_gain'])} | "
-                f"{e['speedup']:.2f}x ({x(e['plan_gain'])} x {x(e['balance_gain'])}) | {seconds:.0f} |")
+                f"{x(e['speedup'])} ({x(e['plan_gain'])} x {x(e['balance_gain'])}) | {seconds:.0f} |")
     cells = ["no plan" if x.best is None else f"{x.best.mean:.3f}" for x in r.baselines]
     plans = f"| {name} | {best.plan.describe()} ({best.batching}) | " + (
         f"{b.best.plan.describe()} ({b.batching})" if b else "") + " |"
     return main, f"| {name} | " + " | ".join(cells) + " |", plans
 
 
-def main(quick: bool) -> None:
+def main(quick: bool, max_seconds: float | None = None) -> None:
     tables: list[list[str]] = [[], [], []]
+    timings: list[str] = []
     reasons = []
     for encoder, llm, mix, gpus in (QUICK if quick else SETTINGS):
         p, batch = problem(encoder, llm, gpus, mix)
         sigma, _ = prediction_error(p.cost)
         start = time.perf_counter()
-        r = optimize(p, batch, noise=sigma)
+        r = optimize(p, batch, noise=sigma, max_seconds=max_seconds)
         seconds = time.perf_counter() - start
         name = f"{SHORT[encoder]} + {SHORT[llm]}, {mix}, {gpus}"
         for table, line in zip(tables, rows(name, r, seconds)):
             table.append(line)
         reasons += [f"- {name}: {b.name}: {b.reason}" for b in r.baselines if b.reason]
-        print(f"{name}: {seconds:.0f} s; " + "; ".join(r.why[:2]), flush=True)
+        print(f"{name}: {seconds:.1f} s; " + "; ".join(r.why[:2]) + (f"; {r.not_searched}" if r.not_searched else ""),
+              flush=True)
+        timings.append(f"| {gpus} | {name} | {seconds:.1f} |")
     print("\n| setting (H100) | dflop step s (MFU) | strongest baseline: step s (MFU) | speedup | plan gain | "
           "balance gain | at 20% error: speedup (plan x balance) | search s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -100,9 +104,15 @@ def main(quick: bool) -> None:
     print("\n".join(tables[2]))
     if reasons:
         print("\nbaselines with no plan, or whose plan does not fit with dflop's bins:\n" + "\n".join(reasons))
+    print("\nsearch time (dflop's space and the six baselines), by GPUs\n")
+    print("| GPUs | setting | search s |")
+    print("|---|---|---|")
+    print("\n".join(sorted(timings, key=lambda line: int(line.split("|")[1]))))
 
 
 if __name__ == "__main__":
     args = argparse.ArgumentParser()
     args.add_argument("--quick", action="store_true", help="the first two settings only")
-    main(args.parse_args().quick)
+    args.add_argument("--max-seconds", type=float, help="each search's deadline (default: none)")
+    options = args.parse_args()
+    main(options.quick, options.max_seconds)

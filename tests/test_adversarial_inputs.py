@@ -112,6 +112,13 @@ def test_a_prediction_error_is_a_finite_sigma_of_at_most_three(tmp_path, command
     assert ("nan is not a number" if value == "nan" else "0.0<=x<=3.0") in ran.stderr
 
 
+@pytest.mark.parametrize("value", ["nan", "0", "-1", "soon"])
+def test_a_search_deadline_is_a_number_of_seconds_above_zero(tmp_path, value):
+    ran = dflop_here("optimize", "--max-seconds", value, "--out", tmp_path / "out.yaml")
+    assert_only_error(ran, "'--max-seconds'")
+    assert not (tmp_path / "out.yaml").exists()
+
+
 # ---- profiles of another model of the same name --------------------------------------------------
 
 CPU = presets.hardware("cpu")

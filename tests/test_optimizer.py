@@ -175,3 +175,45 @@ def test_a_prediction_above_the_hardware_s_plausible_mfu_is_flagged():
     assert implausible("dflop", h100.plausible_mfu, h100) == []
     [warning] = implausible("dflop", h100.plausible_mfu + 0.01, h100)
     assert f"exceeds the plausible {h100.plausible_mfu:.0%}" in warning and "not calibrated" in warning
+
+
+def test_a_deadline_gives_the_best_plan_found_so_far_and_names_what_was_not_searched():
+    problem = problem_for("siglip-so400m", "qwen2.5-7b", 8, 64)
+    result = optimize(problem, 64, first=2, most=2, noise=0.2, max_seconds=1e-9)
+    best = result.best
+    assert best.plan.validate(problem.cluster, problem.model, 64) == best.plan
+    assert not best.infeasible and best.peak_memory <= problem.cluster.hardware.usable_memory_bytes
+    assert best.n == 2 and best.mean > 0
+    line = result.not_searched
+    assert "\n" not in line and line.startswith("deadline of 1e-09 s reached; not searched: ")
+    for part in ("dflop balanced colocated plans", "dflop balanced disaggregated plans", "refining dflop",
+                 "baseline megatron / arrival", "baseline pytorch / token-budget",
+                 "the timing at the prediction error"):
+        assert part in line
+    assert all(b.best is None and b.reason == "not searched: the deadline passed" for b in result.baselines)
+    assert result.to_json()["not_searched"] == line
+
+
+def test_a_deadline_not_reached_leaves_every_answer_as_without_one():
+    problem = problem_for("siglip-so400m", "qwen2.5-7b", 8, 32)
+    figures = []
+    for deadline in ({}, {"max_seconds": 1e6}):
+        r = optimize(problem, 32, first=2, most=3, budget=8, noise=0.2, **deadline)
+        assert r.not_searched == ""
+        judged = [(e.plan, e.batching, e.within, e.steps, r.at_error[id(e)]) for e in r.judged()]
+        figures.append((judged, [(b.name, b.reason) for b in r.baselines], r.speedup, r.decomposition))
+    assert figures[0] == figures[1]
+
+
+def test_a_baseline_rule_cuts_chunks_by_the_number_of_bins_alone():
+    """The optimizer cuts each batch once per rule and bin count (``Evaluator.chunks``) and deals the
+    chunks to each grid: the same bins as the rule on that grid."""
+    from dflop.schedule.batching import CHUNKS, assign, dispatch
+
+    batch = profile_mix("llava-ov", 2000, presets.model("siglip-so400m", "qwen2.5-7b").encoder,
+                        seed=3).sample(96, np.random.default_rng(3), "x")
+    for rule, cut in CHUNKS.items():
+        for replicas, m in ((1, 96), (2, 48), (4, 24), (12, 8), (96, 1), (3, 5), (7, 2)):
+            chunk = cut(batch, replicas * m)
+            assert np.array_equal(dispatch(chunk, replicas, m), assign(rule, batch, replicas, m))
+            assert 0 <= chunk.min() and chunk.max() < replicas * m

@@ -358,9 +358,11 @@ def baseline_lines(r: dict[str, Any]) -> list[str]:
 @prediction_error_option
 @click.option("--out", type=Output(), required=True, help="Plan (YAML) to write, with the cluster it is made for.")
 @click.option("--calibrate", is_flag=True, help=CALIBRATE_HELP)
+@click.option("--max-seconds", type=click.FloatRange(0.0, min_open=True), callback=_not_nan,
+              help="Search deadline: then the best plan found so far, with what was not searched.")
 @json_option
 def optimize(config: Path | None, gpus: int | None, nodes: int | None, error: float | None, out: Path,
-             calibrate: bool, as_json: bool) -> None:
+             calibrate: bool, max_seconds: float | None, as_json: bool) -> None:
     """Choose tensor/pipeline/data parallelism for the encoder and the LLM."""
     from dflop.cli.progress import progress_bar
     from dflop.cost.select import prediction_error
@@ -372,7 +374,7 @@ def optimize(config: Path | None, gpus: int | None, nodes: int | None, error: fl
 
     s = check_machine(setup(config, gpus=gpus, nodes=nodes), calibrate, log)
     with progress_bar() as progress:
-        result = optimize_(s, progress=progress, noise=error)
+        result = optimize_(s, progress=progress, noise=error, max_seconds=max_seconds)
     save_plan(result.best.plan, out, s.system.cluster)
     source = prediction_error(s.system.cost)[1] if error is None else "given with --prediction-error"
     data = {**optimize_json(result, s.system.hardware.usable_memory_bytes, source), "out": str(out)}
@@ -394,6 +396,8 @@ def optimize(config: Path | None, gpus: int | None, nodes: int | None, error: fl
         lines.append(f"search: {r['search_seconds']:.1f} s; " + "; ".join(
             f"{k}: {v['enumerated']} plans, {v['pruned_memory']} too big, {v['pruned_bound']} bounded out, "
             f"{v['evaluated']} evaluated" for k, v in r["pruning"].items()))
+        if r["not_searched"]:
+            lines.append(r["not_searched"])
         return "\n".join(lines)
 
     emit(data, as_json, human)

@@ -20,9 +20,12 @@ come first:
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
 
 import numpy as np
 
@@ -34,7 +37,7 @@ from dflop.program.actions import Kind
 from dflop.timing.evaluate import evaluate, summarize
 from dflop.timing.steps import CostedPlan
 from dflop.program.template import plan_groups
-from dflop.schedule.batching import Batching
+from dflop.schedule.batching import CHUNKS, Batching, dispatch
 from dflop.schedule.heuristics import lpt
 from dflop.schedule.improve import improve
 from dflop.schedule.problem import Partition, PartitionProblem, finish
@@ -45,6 +48,9 @@ from dflop.specs.plan import Module, Plan
 from dflop.workload.sample import SampleTable
 
 QUICK_GAP = 1e-3
+PARTITIONS_KEPT = 256
+"""Partitions an evaluator keeps (the oldest go first): enough for the plans one search times
+alike, a bounded memory on batches of tens of thousands of samples."""
 CAP_SLACK = 1.3
 """A data-aware bin may hold this many times the average bin's tokens and tiles (of the heaviest
 batch in the pool)."""
@@ -153,6 +159,15 @@ def quick(problem: PartitionProblem, start: np.ndarray | None = None) -> Partiti
     return finish(problem, assignment, "quick", time.perf_counter() - began, searched=True)
 
 
+def bins_key(plan: Plan) -> tuple:
+    """What a plan's bins of a batch depend on: the bin grid, the per-sample costs' stages
+    (``plan_costs``: layers, TP and replicas of each module, placement), and whether the replicas'
+    microbatches are kept in step (``synchronised``: sharded parameters)."""
+    return (plan.placement, plan.llm.tp, plan.llm.dp, plan.llm.pp, plan.llm.layers_per_stage, plan.virtual_stages,
+            plan.encoder.tp, plan.encoder.dp, plan.encoder.pp, plan.encoder.layers_per_stage, plan.microbatches,
+            plan.strategy.shards_parameters)
+
+
 @lru_cache(maxsize=1024)
 def inflight_by_stage(schedule: str, stages: int, microbatches: int,
                       virtual: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
@@ -205,6 +220,15 @@ class Evaluator:
         self._blind: dict[tuple, tuple[float, float]] = {}
         self._rules: dict[tuple, np.ndarray] = {}
         self._whole: dict[tuple, np.ndarray] = {}
+        self._partitions: dict[tuple, Partition] = {}
+        self._bins: dict[tuple, tuple[np.ndarray, float]] = {}
+
+    def with_noise(self, noise: float) -> "Evaluator":
+        """The same evaluator (batches, bins and every cache shared) timing a world whose costs
+        differ from the predictions by ``noise``."""
+        twin = copy.copy(self)
+        twin.noise = noise
+        return twin
 
     # ---- caps and memory ----------------------------------------------------------------------
 
@@ -216,27 +240,33 @@ class Evaluator:
 
     def worst_bins(self, plan: Plan, batching: Batching) -> tuple[float, float]:
         """(LLM tokens, tiles) of the largest bin the plan may get on the batches it is judged on:
-        the caps for dflop's scheduler, the largest bin a baseline's rule makes."""
+        the caps for dflop's scheduler, the largest bin a baseline's rule makes (the same for
+        every grid of as many bins: dealing chunks to bins only renames them)."""
         if batching is Batching.BALANCED:
             cap = self.caps(plan)
             return float(cap[0]), float(cap[1])
-        key = (batching, plan.llm.dp, plan.microbatches)
+        key = (batching, plan.bins)
         if key not in self._blind:
             tokens = tiles = 0.0
             for i in range(self.cap_batches):
                 b = self.pool[i]
-                a = self.rule_bins(batching, i, plan)
+                a = self.chunks(batching, i, plan.bins)
                 tokens = max(tokens, float(np.bincount(a, weights=b.llm_tokens, minlength=plan.bins).max()))
                 tiles = max(tiles, float(np.bincount(a, weights=b.tiles, minlength=plan.bins).max()))
             self._blind[key] = (tokens, tiles)
         return self._blind[key]
 
-    def rule_bins(self, batching: Batching, i: int, plan: Plan) -> np.ndarray:
-        """Bins of pool batch i under a baseline rule (they depend on the bin grid only)."""
-        key = (batching, i, plan.llm.dp, plan.microbatches)
+    def chunks(self, batching: Batching, i: int, bins: int) -> np.ndarray:
+        """A baseline rule's chunks of pool batch i, cut once per number of bins."""
+        key = (batching, i, bins)
         if key not in self._rules:
-            self._rules[key] = bin_batch(self.pool[i], plan, self.p.system, batching).assignment
+            self._rules[key] = CHUNKS[batching](self.pool[i], bins)
         return self._rules[key]
+
+    def rule_bins(self, batching: Batching, i: int, plan: Plan) -> np.ndarray:
+        """Bins of pool batch i under a baseline rule, as ``bin_batch`` makes them (the rule's
+        chunks dealt to the plan's bin grid)."""
+        return dispatch(self.chunks(batching, i, plan.bins), plan.llm.dp, plan.microbatches)
 
     # ---- lower bound ----------------------------------------------------------------------------
 
@@ -279,15 +309,26 @@ class Evaluator:
     def assignment(self, plan: Plan, i: int, batching: Batching,
                    within: Batching | None = None) -> tuple[np.ndarray, float]:
         """Bins of pool batch i, as the scheduler (or a baseline's rule) makes them, and how uneven
-        they are in predicted cost (largest bin over the mean)."""
+        they are in predicted cost (largest bin over the mean); once per bin grid and what the
+        per-sample costs read (``bins_key``), which plans alike but for their memory options,
+        recomputation or schedule share, and so do the evaluator and its noisy twin."""
+        key = (i, batching, within, *bins_key(plan))
+        if key not in self._bins:
+            if len(self._bins) >= PARTITIONS_KEPT:
+                self._bins.pop(next(iter(self._bins)))
+            self._bins[key] = self._assignment(plan, i, batching, within)
+        return self._bins[key]
+
+    def _assignment(self, plan: Plan, i: int, batching: Batching,
+                    within: Batching | None) -> tuple[np.ndarray, float]:
         batch = self.pool[i]
         costs = plan_costs(batch, plan, self.p.model, self.p.cost)
         if batching is Batching.BALANCED:
             if within is None:
-                caps, partitioner = self.caps(plan), quick
+                caps, start = self.caps(plan), None
             else:  # within a baseline's largest bins: from its own bins when LPT finds no room
-                start = self.rule_bins(within, i, plan)
-                caps, partitioner = np.array(self.worst_bins(plan, within)), lambda p: quick(p, start)
+                caps, start = np.array(self.worst_bins(plan, within)), self.rule_bins(within, i, plan)
+            partitioner = self._partitioner(i, costs, caps, start)
             schedule = bin_batch(batch, plan, self.p.system, costs=costs, caps=caps, partitioner=partitioner)
             assignment, loads = schedule.assignment, schedule.partition.loads
         else:
@@ -296,6 +337,24 @@ class Evaluator:
                               for d in range(costs.shape[1])], axis=1)
         worst = loads.max(axis=1)
         return assignment, float(worst.max() / max(worst.mean(), 1e-30))
+
+    def _partitioner(self, i: int, costs: np.ndarray, caps: np.ndarray,
+                     start: np.ndarray | None) -> Callable[[PartitionProblem], Partition]:
+        """``quick`` on pool batch i, solved once per (costs, caps, start): plans that differ only
+        in what the per-sample costs do not see (memory options, recomputation, schedule) share
+        one partition, and so do the evaluator and its noisy twin."""
+        key = (i, *(hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).digest()
+                    for a in (costs, caps, start if start is not None else np.zeros(0))))
+
+        def solve(problem: PartitionProblem) -> Partition:
+            at = (*key, problem.bins)
+            if at not in self._partitions:
+                if len(self._partitions) >= PARTITIONS_KEPT:
+                    self._partitions.pop(next(iter(self._partitions)))
+                self._partitions[at] = quick(problem, start)
+            return self._partitions[at]
+
+        return solve
 
     def world(self, i: int) -> SampleTable:
         """Pool batch i as the world costs it (with the evaluator's prediction error)."""

@@ -57,6 +57,8 @@ class OptimizeResult:
     """Per-sample prediction error (lognormal sigma) of ``at_error``; 0 when not measured."""
     at_error: dict[int, float] = field(default_factory=dict)
     """id(estimate) -> its mean step time when the world's costs differ from the predictions."""
+    not_searched: str = ""
+    """What a search deadline left out, in one line ('' when everything was searched)."""
 
     @property
     def found(self) -> list[Baseline]:
@@ -121,7 +123,7 @@ class OptimizeResult:
                 "speedup": self.speedup, "decomposition": self.decomposition,
                 "prediction_error": self.speedup_at_error(), "ideal_step_time_s": self.ideal_s,
                 "search_seconds": self.seconds, "pruning": {k: v.as_dict() for k, v in self.stats.items()},
-                "warnings": self.warnings(), "why": self.why}
+                "warnings": self.warnings(), "why": self.why, "not_searched": self.not_searched}
 
 
 def implausible(name: str, mfu: float | None, hardware: HardwareSpec) -> list[str]:

@@ -12,7 +12,7 @@ communication can beat.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -73,7 +73,7 @@ class Screener:
         self._times: dict[tuple, tuple[float, ...]] = {}
         self._state: dict[tuple, tuple[float, float]] = {}
         self._comm: dict[tuple, GroupComm | None] = {}
-        self._bounds: dict[Plan, float] = {}
+        self._bounds: dict[tuple, float] = {}
         self._plans: dict[Plan, tuple[float, float, list]] = {}
 
     def _stage(self, spec: StageSpec, shape: Shape) -> tuple[float, ...]:
@@ -175,10 +175,15 @@ class Screener:
         hidden = model.llm.hidden * p.training.activation_bytes * avg_tokens / plan.llm.tp
         estimate += 2 * (len(groups) - 1) * float(p2p_time(hidden, hw.inter_node_bandwidth * plan.llm.tp,
                                                       hw.inter_node_latency))
-        shape = replace(plan, zero=1, hsdp=False, fp32_grads=False)  # the bound ignores memory options
+        return estimate, self.bound(plan), out
+
+    def bound(self, plan: Plan) -> float:
+        """The plan's proven lower bound, once per pipeline shape: it reads neither the memory
+        options (ZeRO, HSDP, gradient width) nor the microbatch count."""
+        shape = (plan.encoder, plan.llm, plan.placement, plan.schedule, plan.virtual_stages, plan.recompute)
         if shape not in self._bounds:
-            self._bounds[shape] = ev.lower_bound(plan, self.n)
-        return estimate, self._bounds[shape], out
+            self._bounds[shape] = self.ev.lower_bound(plan, self.n)
+        return self._bounds[shape]
 
     def _exposed(self, plan: Plan, comm: GroupComm, parts: dict, backward: float) -> float:
         """Seconds per step the rank's data-parallel communication adds beyond its compute, on

@@ -27,6 +27,11 @@ With a prediction error, the chosen plans are timed again on batches whose
 costs differ from the predictions the bins were made from. A ``confirm``
 function (SimPy, link contention on) adds simulated times of dflop's choice
 and the strongest baseline, for the report; choices use the fast evaluator.
+
+With ``max_seconds``, whatever is left when the deadline passes is not searched:
+once dflop's search has timed one plan, the rest of its plans, the refinement,
+the baselines, the timing at the prediction error and the SimPy confirmation
+are skipped, and the result says which (``OptimizeResult.not_searched``).
 """
 
 from __future__ import annotations
@@ -92,17 +97,25 @@ def _paired_worse(a: Estimate, b: Estimate) -> bool:
 class Optimizer:
     def __init__(self, problem: PlanningProblem, global_batch: int, *, first: int = 3, most: int = 12,
                  budget: int | None = 48, exhaustive: bool = False, confirm: Confirm | None = None,
-                 confirm_top: int = 3, progress: Progress | None = None, noise: float = 0.0) -> None:
+                 confirm_top: int = 3, progress: Progress | None = None, noise: float = 0.0,
+                 max_seconds: float | None = None) -> None:
         self.p = problem
         self.pool = BatchPool(problem.data, global_batch, problem.seed)
         self.ev = Evaluator(problem, self.pool, cap_batches=max(most, first))
-        self.noisy = Evaluator(problem, self.pool, cap_batches=max(most, first), noise=noise) if noise > 0 else None
+        self.noisy = self.ev.with_noise(noise) if noise > 0 else None
         self.screener = Screener(self.ev, first)
         self.spaces = SpaceBuilder(problem, global_batch)
         self.first, self.most, self.budget = first, max(most, first), budget
         self.exhaustive, self.confirm, self.confirm_top = exhaustive, confirm, confirm_top
         self.progress = progress or (lambda what, done, total: None)
         self.usable = problem.cluster.hardware.usable_memory_bytes
+        self.max_seconds = max_seconds
+        self.deadline = float("inf")
+        self.skipped: list[str] = []
+        """What the deadline left out, in words."""
+
+    def late(self) -> bool:
+        return time.perf_counter() > self.deadline
 
     def split_bound(self, encoder_gpus: int) -> float:
         """Proven lower bound of every disaggregated plan giving the encoder ``encoder_gpus`` GPUs:
@@ -149,15 +162,27 @@ class Optimizer:
 
         what = f"{space.name} {batching}"
         for placement in (Placement.COLOCATED, Placement.DISAGGREGATED):
+            if ranked and self.late():
+                self.skipped.append(f"{what} {placement} plans")
+                continue
             screened = []
             for options in self.spaces.plans(space, placement, skip):
+                if ranked and self.late():
+                    self.skipped.append(f"the rest of the {what} {placement} plans")
+                    break
                 stats.enumerated += 1
+                if min(self.screener.bound(plan) for plan in options) >= best[0]:  # whichever option
+                    stats.pruned_bound += 1  # fits, it is skipped below: spare its memory and estimate
+                    continue
                 found = self._fitting(options, batching, stats, short)
                 if found is not None:
                     screened.append(found)
             screened.sort(key=lambda x: (x[0], x[1]))
             for k, (_, bound, options) in enumerate(screened):
                 self.progress(f"{what} {placement}", k, len(screened))
+                if ranked and self.late():
+                    self.skipped.append(f"{len(screened) - k} of {len(screened)} {what} {placement} plans")
+                    break
                 if bound >= best[0]:
                     stats.pruned_bound += 1
                     continue
@@ -174,7 +199,10 @@ class Optimizer:
             self.progress(f"{what} {placement}", len(screened), len(screened))
         if not ranked:
             self._no_fit(space, short[0] if short else None)
-        self._refine(ranked)
+        if self.late():
+            self.skipped.append(f"refining {what}")
+        else:
+            self._refine(ranked)
         ranked = [e for e in ranked if not e.infeasible and e.peak_memory <= self.usable]
         stats.batches = sum(e.n for e in ranked)
         return SpaceResult(space.name, batching, sorted(ranked, key=lambda e: e.mean), stats)
@@ -232,6 +260,10 @@ class Optimizer:
         out, stats = [], {}
         for space in spaces:
             for rule in rules:
+                if self.late():
+                    self.skipped.append(f"baseline {space.name} / {rule}")
+                    out.append(Baseline(space.name, rule, None, None, "not searched: the deadline passed"))
+                    continue
                 try:
                     r = self.search(space, rule)
                 except InfeasibleError as exc:
@@ -260,6 +292,8 @@ class Optimizer:
     def run(self, spaces: tuple[Space, ...] = (DFLOP,), baselines: tuple[Space, ...] = BASELINES,
             rules: tuple[Batching, ...] = tuple(RULES)) -> OptimizeResult:
         start = time.perf_counter()
+        if self.max_seconds is not None:
+            self.deadline = start + self.max_seconds
         mine = [self.search(s) for s in spaces]
         stats = {f"{r.space}:{r.batching}": r.stats for r in mine}
         pool = self._settle(sorted((e for r in mine for e in r.ranked), key=score)[:self.confirm_top])
@@ -269,13 +303,22 @@ class Optimizer:
         unique = {(e.plan, e.batching, e.within): e for e in sorted(pool, key=score, reverse=True)}
         ranked = sorted(unique.values(), key=score)
         result = OptimizeResult(ranked[0], ranked[1:6], base, stats, 0.0, self.ideal(), self.p.cluster.hardware)
-        self._confirm([result.best] + ([result.strongest.best, result.strongest.balanced] if result.strongest else []))
-        if self.noisy is not None:
+        if self.confirm is not None and self.late():
+            self.skipped.append("the SimPy confirmation")
+        else:
+            self._confirm([result.best] + ([result.strongest.best, result.strongest.balanced]
+                                           if result.strongest else []))
+        if self.noisy is not None and self.late():
+            self.skipped.append("the timing at the prediction error")
+        elif self.noisy is not None:
             result.noise = self.noisy.noise
             for e in result.judged():  # every one on the same ``most`` batches
                 again = Estimate(e.plan, e.batching, e.lower_bound, within=e.within)
                 result.at_error[id(e)] = self.noisy.extend(again, self.most).mean
         result.why = explain(result, self.usable)
+        if self.skipped:
+            result.not_searched = (f"deadline of {self.max_seconds:g} s reached; not searched: "
+                                   + ", ".join(self.skipped))
         result.seconds = time.perf_counter() - start
         return result
 

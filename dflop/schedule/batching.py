@@ -27,6 +27,7 @@ named here so that results can say which rule produced them.
 
 from __future__ import annotations
 
+import heapq
 from enum import Enum
 from typing import Callable
 
@@ -47,55 +48,125 @@ class Batching(str, Enum):
         return self.value
 
 
-def _dispatch(chunks: int, replicas: int, microbatches: int) -> np.ndarray:
-    """Bin of chunk j when chunks are dealt round-robin to ranks, one micro-step per round."""
-    j = np.arange(chunks)
-    return (j % replicas) * microbatches + j // replicas
+def dispatch(chunk: np.ndarray, replicas: int, microbatches: int) -> np.ndarray:
+    """Bins of samples in ``chunk`` when chunks are dealt round-robin to ranks, one micro-step
+    per round (chunk j feeds rank j mod replicas at micro-step j div replicas)."""
+    j = np.arange(replicas * microbatches)
+    return ((j % replicas) * microbatches + j // replicas)[chunk]
+
+
+def arrival_chunks(batch: SampleTable, bins: int) -> np.ndarray:
+    n = len(batch)
+    return (np.arange(n) * bins) // n  # equal counts (within one), in order
+
+
+def modality_chunks(batch: SampleTable, bins: int) -> np.ndarray:
+    """Longest first, each to the chunk with the least length so far (the lowest such chunk: a
+    heap of (length, chunk) picks what ``argmin`` picks), a chunk leaving once full."""
+    n = len(batch)
+    lengths = np.maximum(batch.text_tokens, 1).astype(float)
+    if n % bins:  # LLaVA's split_to_even_chunks falls back to striding
+        return np.arange(n) % bins
+    per_chunk = n // bins
+    chunk = np.empty(n, dtype=np.int64)
+    heap = [(0.0, c) for c in range(bins)]
+    counts = [0] * bins
+    order = np.argsort(-lengths, kind="stable")
+    for i, length in zip(order.tolist(), lengths[order].tolist()):
+        total, c = heap[0]
+        chunk[i] = c
+        counts[c] += 1
+        if counts[c] == per_chunk:
+            heapq.heappop(heap)
+        else:
+            heapq.heapreplace(heap, (total + length, c))
+    return chunk
+
+
+class _Tree:
+    """Values over positions 0..n-1 in a binary tree whose nodes hold the larger (``larger``) or the
+    smaller child, for the leftmost position whose value passes a test in log n steps."""
+
+    def __init__(self, values: list[float], larger: bool) -> None:
+        self.size = size = 1 << max(len(values) - 1, 0).bit_length()
+        self.pick = max if larger else min
+        self.tree = [-np.inf if larger else np.inf] * (2 * size)
+        self.tree[size:size + len(values)] = values
+        for node in range(size - 1, 0, -1):
+            self.tree[node] = self.pick(self.tree[2 * node], self.tree[2 * node + 1])
+
+    def add(self, position: int, amount: float) -> None:
+        tree, pick = self.tree, self.pick
+        node = self.size + position
+        tree[node] += amount
+        while node > 1:  # up to where the picked child's value is what it was
+            node //= 2
+            value = pick(tree[2 * node], tree[2 * node + 1])
+            if tree[node] == value:
+                break
+            tree[node] = value
+
+    def first_at_least(self, t: float) -> int:
+        """Leftmost position with a value >= t (a tree of larger values), -1 where none."""
+        tree, node = self.tree, 1
+        if tree[1] < t:
+            return -1
+        while node < self.size:
+            node = 2 * node if tree[2 * node] >= t else 2 * node + 1
+        return node - self.size
+
+    def first_least(self) -> int:
+        """Leftmost position of the least value (a tree of smaller values), as ``argmin``."""
+        tree, node = self.tree, 1
+        while node < self.size:
+            node = 2 * node if tree[2 * node] <= tree[2 * node + 1] else 2 * node + 1
+        return node - self.size
+
+
+def token_chunks(batch: SampleTable, bins: int) -> np.ndarray:
+    """Longest first, each to the first chunk with room under the budget, else to the lightest
+    (both found in trees, leftmost first, as ``argmax`` of the fitting mask and ``argmin`` of the
+    loads find them); then each chunk left empty takes the smallest sample of the fullest."""
+    tokens = batch.llm_tokens.astype(float)
+    budget = tokens.sum() / bins
+    room, loads, lightest = _Tree([float(budget)] * bins, larger=True), [0.0] * bins, None
+    chunk = np.empty(len(batch), dtype=np.int64)
+    order = np.argsort(-tokens, kind="stable")
+    for i, t in zip(order.tolist(), tokens[order].tolist()):
+        c = room.first_at_least(t)
+        if c < 0:
+            lightest = lightest or _Tree(loads, larger=False)  # kept from the first overflow on
+            c = lightest.first_least()
+        chunk[i] = c
+        room.add(c, -t)
+        loads[c] += t
+        if lightest is not None:
+            lightest.add(c, t)
+    counts = np.bincount(chunk, minlength=bins)
+    empties = np.flatnonzero(counts == 0)
+    if len(empties):  # members of every chunk, in sample order
+        members = [list(m) for m in np.split(np.argsort(chunk, kind="stable"), np.cumsum(counts)[:-1])]
+    for empty in empties:
+        crowded = int(np.argmax(counts))
+        them = members[crowded]
+        moved = them.pop(int(np.argmin(tokens[them])))
+        members[empty].append(moved)
+        chunk[moved] = empty
+        counts[crowded] -= 1
+        counts[empty] += 1
+    return chunk
 
 
 def arrival(batch: SampleTable, replicas: int, microbatches: int) -> np.ndarray:
-    n, bins = len(batch), replicas * microbatches
-    chunk = (np.arange(n) * bins) // n  # equal counts (within one), in order
-    return _dispatch(bins, replicas, microbatches)[chunk]
+    return dispatch(arrival_chunks(batch, replicas * microbatches), replicas, microbatches)
 
 
 def modality_length(batch: SampleTable, replicas: int, microbatches: int) -> np.ndarray:
-    n, bins = len(batch), replicas * microbatches
-    lengths = np.maximum(batch.text_tokens, 1).astype(float)
-    if n % bins:  # LLaVA's split_to_even_chunks falls back to striding
-        chunk = np.arange(n) % bins
-    else:
-        per_chunk = n // bins
-        chunk = np.empty(n, dtype=np.int64)
-        totals, counts = np.zeros(bins), np.zeros(bins, dtype=np.int64)
-        for i in np.argsort(-lengths, kind="stable"):
-            c = int(np.argmin(totals))
-            chunk[i] = c
-            totals[c] += lengths[i]
-            counts[c] += 1
-            if counts[c] == per_chunk:
-                totals[c] = np.inf
-    return _dispatch(bins, replicas, microbatches)[chunk]
+    return dispatch(modality_chunks(batch, replicas * microbatches), replicas, microbatches)
 
 
 def token_budget(batch: SampleTable, replicas: int, microbatches: int) -> np.ndarray:
-    bins = replicas * microbatches
-    tokens = batch.llm_tokens.astype(float)
-    budget = tokens.sum() / bins
-    room = np.full(bins, budget)
-    load = np.zeros(bins)
-    chunk = np.empty(len(batch), dtype=np.int64)
-    for i in np.argsort(-tokens, kind="stable"):
-        fits = room >= tokens[i]
-        c = int(np.argmax(fits)) if fits.any() else int(np.argmin(load))
-        chunk[i] = c
-        room[c] -= tokens[i]
-        load[c] += tokens[i]
-    for empty in np.flatnonzero(np.bincount(chunk, minlength=bins) == 0):  # a bin left empty by an
-        crowded = int(np.argmax(np.bincount(chunk, minlength=bins)))   # overflow takes a sample
-        members = np.flatnonzero(chunk == crowded)
-        chunk[members[np.argmin(tokens[members])]] = empty
-    return _dispatch(bins, replicas, microbatches)[chunk]
+    return dispatch(token_chunks(batch, replicas * microbatches), replicas, microbatches)
 
 
 def synchronised(plan: Plan, assignment: np.ndarray, costs: np.ndarray) -> np.ndarray:
@@ -125,6 +196,10 @@ Rule = Callable[[SampleTable, int, int], np.ndarray]
 RULES: dict[Batching, Rule] = {Batching.ARRIVAL: arrival, Batching.MODALITY: modality_length,
                                Batching.TOKENS: token_budget}
 """The data-blind (or cost-blind) rules of the baselines, by name."""
+CHUNKS: dict[Batching, Callable[[SampleTable, int], np.ndarray]] = {
+    Batching.ARRIVAL: arrival_chunks, Batching.MODALITY: modality_chunks, Batching.TOKENS: token_chunks}
+"""Each rule's chunks (0 .. bins-1) before ``dispatch`` deals them to (replica, microbatch): they
+depend on the number of bins alone, so a search over many bin grids cuts each batch once per count."""
 
 
 def assign(rule: Batching, batch: SampleTable, replicas: int, microbatches: int) -> np.ndarray:

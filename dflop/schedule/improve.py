@@ -97,6 +97,17 @@ def _best_swap(s: _State, crit: int, partners: np.ndarray, limit: float):
     return (items[i], others[j], other_bins[j]) if worst[i, j] < limit else None
 
 
+def _lightest(values: np.ndarray, k: int) -> np.ndarray:
+    """The first k of ``np.argsort(values, kind="stable")`` (the k least by value, then index),
+    without sorting them all: the partner windows only ever read that far."""
+    if k >= len(values):
+        return np.argsort(values, kind="stable")
+    kth = np.partition(values, k - 1)[k - 1]
+    below = np.flatnonzero(values < kth)
+    pick = np.sort(np.concatenate([below, np.flatnonzero(values == kth)[:k - len(below)]]))
+    return pick[np.argsort(values[pick], kind="stable")]
+
+
 def improve(problem: PartitionProblem, assignment: np.ndarray, deadline: float | None = None,
             target: float = 0.0, max_rounds: int = 100_000, every_partner: bool = True) -> np.ndarray:
     """Locally optimal (no improving move or swap) version of ``assignment``; stops early at
@@ -113,7 +124,7 @@ def improve(problem: PartitionProblem, assignment: np.ndarray, deadline: float |
         if makespan <= target:
             break
         limit = makespan * (1 - REL_EPS)
-        order = np.argsort(bin_max, kind="stable")
+        order = np.argsort(bin_max, kind="stable") if every_partner else _lightest(bin_max, PARTNERS[-1] + 1)
         step = None
         for crit in np.flatnonzero(bin_max >= limit):
             rest = order[order != crit]
