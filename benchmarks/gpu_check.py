@@ -169,7 +169,8 @@ def environment(c: Check) -> dict[str, Any]:
     out["machine"] = machine_identity(c.target.device, torch.get_num_threads())
     out["nccl"] = out["machine"].get("nccl") if cuda else None
     out["matmul"] = _matmul_rate(c.target)
-    out["hardware"] = _hardware(c).name if _hardware(c, strict=False) else None
+    hardware = _hardware(c, strict=False)
+    out["hardware"] = hardware.name if hardware else None
     return out
 
 
