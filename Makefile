@@ -5,7 +5,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.dflop-installed
 ARGS   ?=
 
-.PHONY: run test bench gpu-check notebooks clean
+.PHONY: run test test-fast bench gpu-check notebooks clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ test: $(STAMP)
 	  echo "numerics under ATEN_CPU_CAPABILITY=$$cap"; \
 	  ATEN_CPU_CAPABILITY=$$cap $(VENV)/bin/python -m pytest -q -m numerics $(ARGS); $(PASSED_OR_NONE); \
 	done
+
+# The in-process tier, for working: no test that starts a process (marker `processes`; one that
+# does fails here, tests/conftest.py), nothing that times against a prediction, hypothesis at
+# 10 examples. `make test` stays the whole suite.
+test-fast: $(STAMP)
+	DFLOP_TEST_TIER=fast DFLOP_HYPOTHESIS_EXAMPLES=10 $(VENV)/bin/python -m pytest -q -n 2 \
+	  -m "not processes and not alone and not numerics" $(ARGS)
 
 # Every benchmark, then benchmarks/REPORT.md and benchmarks/results/*.json (ARGS=--quick: a dry run).
 # One thread per process, as the torch backend's CPU ranks and the shipped CPU profile run.

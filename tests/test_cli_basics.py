@@ -7,6 +7,7 @@ import pytest
 from cli_helpers import assert_one_line_error, assert_only_error, dflop, dflop_here, dflop_json
 
 
+@pytest.mark.processes
 def test_help_lists_every_command():
     top = dflop("--help")
     assert top.returncode == 0
@@ -16,6 +17,7 @@ def test_help_lists_every_command():
     assert "timeline" in dflop("plot", "--help").stdout
 
 
+@pytest.mark.processes
 def test_profile_data_preset_is_deterministic(tmp_path):
     args = ("profile", "data", "--preset", "llava-ov", "--samples", 5000, "--out", tmp_path / "p.json")
     first, second = dflop_json(*args), dflop_json(*args)
@@ -29,12 +31,14 @@ def test_profile_data_preset_is_deterministic(tmp_path):
     assert json.loads((tmp_path / "p.json").read_text())["summary"]["all"] == first["all"]
 
 
+@pytest.mark.processes
 def test_profile_data_plot(tmp_path):
     out = dflop_json("profile", "data", "--preset", "video-heavy", "--samples", 300, "--out",
                      tmp_path / "p.json", "--plot", tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG" and out["plot"].endswith("p.png")
 
 
+@pytest.mark.processes
 def test_profile_data_from_manifest_skip_bad(tmp_path):
     manifest = tmp_path / "m.jsonl"
     good = {"id": "a", "conversations": [{"from": "human", "value": "hi"}]}
@@ -46,6 +50,7 @@ def test_profile_data_from_manifest_skip_bad(tmp_path):
     assert out["samples"] == 2 and out["skipped"] == 1
 
 
+@pytest.mark.processes
 def test_user_errors_are_one_line(tmp_path):
     assert_one_line_error(dflop("profile", "data", "--preset", "nope", "--out", tmp_path / "x.json"),
                           "unknown data preset 'nope'", "llava-ov")
@@ -57,6 +62,7 @@ def test_user_errors_are_one_line(tmp_path):
                                 "--out", tmp_path / "x.json"), "--encoder: unknown encoder 'vit'")
 
 
+@pytest.mark.processes
 def test_debug_shows_the_traceback(tmp_path):
     proc = dflop("--debug", "profile", "data", "--preset", "nope", "--out", tmp_path / "x.json")
     assert proc.returncode != 0 and "Traceback" in proc.stderr
@@ -67,6 +73,7 @@ def test_version():
     assert out.returncode == 0 and out.stdout == f"dflop {version('dflop')}\n" and out.stderr == ""
 
 
+@pytest.mark.processes
 def test_debug_is_accepted_anywhere_on_the_line(tmp_path):
     for args in (("--debug", "profile", "data"), ("profile", "--debug", "data"), ("profile", "data", "--debug")):
         out = dflop_here(*args, "--preset", "text-only", "--samples", 10, "--out", tmp_path / "p.json", "--json")

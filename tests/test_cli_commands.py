@@ -23,6 +23,7 @@ def small_config(tmp_path):
     return path
 
 
+@pytest.mark.processes
 def test_schedule_command(tmp_path):
     items = tmp_path / "items.json"
     items.write_text(json.dumps({"items": [{"id": f"s{i}", "cost": [i % 3 + 1, (7 * i) % 5 + 1]}
@@ -36,6 +37,7 @@ def test_schedule_command(tmp_path):
     assert blind["bins"][0] == ["s0", "s1", "s2", "s3"] and blind["makespan"] >= out["makespan"]
 
 
+@pytest.mark.processes
 def test_schedule_bad_items(tmp_path):
     items = tmp_path / "items.json"
     items.write_text(json.dumps({"items": [{"id": "a", "cost": [1, 2]}, {"id": "b", "cost": "x"}]}))
@@ -45,6 +47,7 @@ def test_schedule_bad_items(tmp_path):
     assert_one_line_error(dflop("schedule", "--items", items, "--bins", 2), "1 items cannot fill 2 bins")
 
 
+@pytest.mark.processes
 def test_optimize_simulate_and_plot(tmp_path):
     config = small_config(tmp_path)
     plan_file = tmp_path / "plans" / "plan.yaml"  # a folder that does not exist yet is made
@@ -62,6 +65,7 @@ def test_optimize_simulate_and_plot(tmp_path):
     assert picture["metrics"]["step_time_s"]["mean"] == sim["step_time_s"]["mean"]
 
 
+@pytest.mark.processes
 def test_run_compares_with_the_baseline(tmp_path):
     out = dflop_json("run", "--config", small_config(tmp_path), "--out", tmp_path / "run")
     assert set(out) >= {"plan", "step_time_s", "throughput_samples_per_s", "bubble_fraction", "idle_fraction",
@@ -82,6 +86,7 @@ def test_run_compares_with_the_baseline(tmp_path):
     assert 0 < out["mfu"] <= out["hfu"] < 1 and 0 < out["baseline"]["mfu"] < 1
 
 
+@pytest.mark.processes
 def test_simulate_rejects_a_plan_that_does_not_fit(tmp_path):
     plan = tmp_path / "big.yaml"
     plan.write_text("encoder: {tp: 1, pp: 1, dp: 8}\nllm: {tp: 4, pp: 2, dp: 2}\nmicrobatches: 4\n")
@@ -89,6 +94,7 @@ def test_simulate_rejects_a_plan_that_does_not_fit(tmp_path):
     assert_one_line_error(proc, "does not fit", "the plan needs 24 GPUs but the cluster has 8")
 
 
+@pytest.mark.processes
 def test_unwritable_output_and_unknown_backend(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -97,6 +103,7 @@ def test_unwritable_output_and_unknown_backend(tmp_path):
     assert_one_line_error(dflop("run", "--backend", "nope"), "'--backend'", "'nope' is not one of 'sim', 'torch'")
 
 
+@pytest.mark.processes
 def test_simulate_takes_a_v_schedule_by_any_case_with_the_stages_it_needs(tmp_path):
     plan = tmp_path / "pp.yaml"
     plan.write_text("encoder: {tp: 2, pp: 1, dp: 2}\nllm: {tp: 2, pp: 2, dp: 2}\nplacement: colocated\n"
@@ -115,6 +122,7 @@ def test_simulate_takes_a_v_schedule_by_any_case_with_the_stages_it_needs(tmp_pa
     assert (sim["plan"]["schedule"], sim["plan"]["virtual_stages"]) == ("ZBVZeroBubble", 2)
 
 
+@pytest.mark.processes
 def test_simulate_says_which_module_idles(tmp_path):
     plan = tmp_path / "dis.yaml"  # the encoder on 2 GPUs of its own, the LLM in 2 stages of TP 2 on 4
     plan.write_text("encoder: {tp: 1, pp: 1, dp: 2}\nllm: {tp: 2, pp: 2, dp: 1}\nplacement: disaggregated\n"

@@ -4,6 +4,10 @@ checked on the resident size of a fresh process, since the setting is the proces
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 PROBE = """
 import os, sys, torch
 from dflop.backends.torch_runtime.cpu_process import set_up_cpu_process

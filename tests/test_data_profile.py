@@ -91,6 +91,7 @@ def _dataset(tmp_path):
     return tmp_path / "data.yaml"
 
 
+@pytest.mark.processes
 def test_cli_skip_bad_summary_and_per_source_counts(tmp_path):
     from cli_helpers import assert_one_line_error, dflop
 
@@ -113,6 +114,7 @@ def test_cli_skip_bad_summary_and_per_source_counts(tmp_path):
     assert "source swift.jsonl            1 samples of 2 entries (first:1, sharegpt)" in human
 
 
+@pytest.mark.processes
 def test_cli_format_encoder_config_and_video_layout(tmp_path):
     from cli_helpers import assert_one_line_error, dflop, dflop_json
     from media_files import turns, write_json

@@ -31,6 +31,7 @@ def test_a_check_finds_the_parts_of_a_profile_measured_on_a_slower_machine(tmp_p
     assert text.returncode == 0 and "tp1 block" in text.stdout and "the time it records" in text.stdout
 
 
+@pytest.mark.processes
 def test_the_shipped_profile_is_checked_the_way_it_was_measured_around_the_size_asked(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # measured with the profile's thread count, not this
     out = dflop_json("profile", "check", "--model", "tiny-llm", "--tokens", 100, "--repeats", 1)
@@ -48,6 +49,7 @@ def test_the_shipped_profile_is_checked_the_way_it_was_measured_around_the_size_
     assert model["ratio"] == pytest.approx(now / then) and out["ratio"] == pytest.approx(now / then)
 
 
+@pytest.mark.processes
 def test_a_profile_measured_with_more_threads_is_checked_with_as_many(tmp_path):
     with (tmp_path / FILENAME).open("w") as f:
         for r in load_records((), None, shipped=True):
@@ -69,6 +71,7 @@ def test_the_shapes_measured_again_are_consecutive_grid_sizes_around_the_one_ask
         assert min(values, key=lambda v: (abs(v - near), v)) in chosen
 
 
+@pytest.mark.processes
 def test_bad_input(tmp_path):
     assert_one_line_error(dflop("profile", "check", "--model", "siglip-so400m"),
                           "--model siglip-so400m: the profile holds no records of it on cpu")

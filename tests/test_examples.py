@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from cli_helpers import dflop, dflop_json
 from dflop.specs.run import load_run_config
 
@@ -16,6 +17,7 @@ def test_every_example_config_loads():
     assert configs["internvit6b-qwen72b.yaml"].cluster.gpus == 64
 
 
+@pytest.mark.processes
 def test_items_example_schedules_near_its_bound_and_beats_arrival_order():
     auto = dflop_json("schedule", "--items", EXAMPLES / "items.json", "--bins", 8)
     blind = dflop_json("schedule", "--items", EXAMPLES / "items.json", "--bins", 8, "--solver", "sequential")
@@ -23,12 +25,14 @@ def test_items_example_schedules_near_its_bound_and_beats_arrival_order():
     assert blind["makespan"] > 1.05 * auto["makespan"]
 
 
+@pytest.mark.processes
 def test_pipeline_plan_example_simulates_within_memory(tmp_path):
     out = dflop_json("simulate", "--plan", EXAMPLES / "plan-pipeline.yaml", "--steps", 2, "--out", tmp_path)
     assert out["plan"]["placement"] == "disaggregated" and out["plan"]["schedule"] == "ZBH1"
     assert out["oom_events"] == 0 and 0 < out["bubble_fraction"] < 1
 
 
+@pytest.mark.processes
 def test_tiny_cpu_example_runs_on_the_shipped_profile(tmp_path):
     proc = dflop("run", "--config", EXAMPLES / "tiny-cpu.yaml", "--out", tmp_path, "--json")
     assert proc.returncode == 0, proc.stderr

@@ -214,6 +214,7 @@ def test_bad_layer_split_is_an_error():
 
 # ---- the command -------------------------------------------------------------------------------
 
+@pytest.mark.processes
 def test_export_command(tmp_path):
     plan, _ = CASES["colocated_pp2_interleaved_tp2"]
     path = save_spec(plan, tmp_path / "plan.yaml")

@@ -19,6 +19,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 from gpu_check import FAILED, NO_DEVICE, NOT_REACHED, OK, OUT_OF_TIME, STEPS, Check, Target  # noqa: E402
 
+pytestmark = pytest.mark.processes
+
 
 def test_make_gpu_check_dry_runs_every_step_on_the_cpu(tmp_path):
     venv = Path(sys.executable).parent.parent

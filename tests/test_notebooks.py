@@ -6,6 +6,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+pytestmark = pytest.mark.processes
+
 FOLDER = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(FOLDER.glob("*.ipynb"))
 _spec = importlib.util.spec_from_file_location("execute_notebooks", FOLDER / "execute.py")

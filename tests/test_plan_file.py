@@ -54,6 +54,7 @@ def test_gpus_and_nodes_resize_a_cluster():
         cluster.resized(gpus=10, nodes=3)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("gpus", [8, 64])
 def test_optimize_then_simulate_and_export_the_same_plan_file(tmp_path, gpus):
     plan_file = tmp_path / "plan.yaml"
@@ -71,6 +72,7 @@ def test_optimize_then_simulate_and_export_the_same_plan_file(tmp_path, gpus):
     assert "--tensor-model-parallel-size" in exported["text"]
 
 
+@pytest.mark.processes
 def test_a_1024_gpu_plan_file_simulates_on_its_cluster(tmp_path):
     plan = load_plan_from({"encoder": {"tp": 2, "dp": 128}, "llm": {"tp": 2, "dp": 128}, "placement": "colocated",
                            "microbatches": 2, "cluster": {"hardware": "H100-SXM5-80GB", "nodes": 128,
@@ -86,6 +88,7 @@ def load_plan_from(data, tmp_path, name="plan.yaml"):
     return path
 
 
+@pytest.mark.processes
 def test_a_plan_smaller_than_the_cluster_is_named(tmp_path):
     plan = load_plan_from(TWO_TP2, tmp_path)
     proc = dflop("simulate", "--config", small_config(tmp_path), "--plan", plan, "--steps", 1, "--out", tmp_path / "s")
@@ -93,6 +96,7 @@ def test_a_plan_smaller_than_the_cluster_is_named(tmp_path):
     assert "(the plan uses 4 of 8 GPUs)" in proc.stdout.splitlines()[0]
 
 
+@pytest.mark.processes
 def test_gpus_and_nodes_override_the_plans_cluster(tmp_path):
     plan = load_plan_from({**TWO_TP2, "cluster": {"hardware": "h100", "nodes": 1, "gpus_per_node": 4}}, tmp_path)
     config = small_config(tmp_path)
@@ -104,6 +108,7 @@ def test_gpus_and_nodes_override_the_plans_cluster(tmp_path):
     assert_one_line_error(dflop(*args, "--gpus", 10, "--nodes", 3), "10 GPUs do not split evenly over 3 nodes")
 
 
+@pytest.mark.processes
 def test_a_plan_for_other_hardware_runs_on_that_hardware(tmp_path):
     plan = load_plan_from({**TWO_TP2, "cluster": {"hardware": "H200-SXM-141GB", "nodes": 1, "gpus_per_node": 4}},
                           tmp_path)
@@ -118,11 +123,13 @@ def test_a_plan_for_other_hardware_runs_on_that_hardware(tmp_path):
     ({"hardware": "h100", "gpus": 4}, "plan.yaml: cluster: unknown key 'gpus'"),
     ({"hardware": "h100", "nodes": 0, "gpus_per_node": 4}, "plan.yaml: cluster.nodes: must be at least 1"),
 ])
+@pytest.mark.processes
 def test_a_bad_recorded_cluster_is_a_one_line_error(tmp_path, cluster, message):
     plan = load_plan_from({**TWO_TP2, "cluster": cluster}, tmp_path)
     assert_one_line_error(dflop("simulate", "--plan", plan, "--out", tmp_path / "s"), message)
 
 
+@pytest.mark.processes
 def test_run_takes_a_plan_file_and_compares_it_with_itself_on_arrival_order(tmp_path):
     plan = load_plan_from({**TWO_TP2, "cluster": {"hardware": "h100", "nodes": 1, "gpus_per_node": 8}}, tmp_path)
     proc = dflop("run", "--config", small_config(tmp_path), "--plan", plan, "--steps", 1, "--out", tmp_path / "run",
@@ -136,6 +143,7 @@ def test_run_takes_a_plan_file_and_compares_it_with_itself_on_arrival_order(tmp_
                                                                        gpus_per_node=8)
 
 
+@pytest.mark.processes
 def test_help_texts_say_what_the_commands_do():
     from dflop.specs.scheduling import Solver
 

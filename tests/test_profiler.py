@@ -26,6 +26,7 @@ def cpu_records() -> list[dict]:
     return [r for r in shipped_records() if r["device"] == "cpu"]
 
 
+@pytest.mark.processes
 def test_quick_profile_and_rerun(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the backend's ranks run one thread whatever this says
     first = dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--repeats", 2,
@@ -41,6 +42,7 @@ def test_quick_profile_and_rerun(tmp_path, monkeypatch):
     assert again["measured"] == 0 and again["reused"] == first["records"]
 
 
+@pytest.mark.processes
 def test_lock_step_processes_measure_alongside_and_a_dead_twin_stops_the_run(tmp_path):
     out = dflop_json("profile", "model", "--model", "tiny-vit", "--grid", "quick", "--repeats", 1,
                      "--processes", 2, "--fsdp", "--out", tmp_path)
@@ -70,6 +72,7 @@ def test_lock_step_processes_measure_alongside_and_a_dead_twin_stops_the_run(tmp
             barrier.wait(120)
 
 
+@pytest.mark.processes
 def test_tensor_parallelism_runs_in_real_groups_of_lock_step_processes(tmp_path):
     def records(folder):
         return {(r["tp"], r["phase"], tuple(r["shape"].values())): r for r in ProfileStore.in_dir(folder).read()}
@@ -107,6 +110,7 @@ def test_tensor_parallelism_runs_in_real_groups_of_lock_step_processes(tmp_path)
             pass
 
 
+@pytest.mark.processes
 def test_killed_run_resumes_with_only_what_is_missing(tmp_path):
     # Many repeats make each of the quick grid's 10 records slow enough to kill between them.
     store = tmp_path / "profile.jsonl"
@@ -128,6 +132,7 @@ def test_killed_run_resumes_with_only_what_is_missing(tmp_path):
     assert before <= after and len(after) == 10  # nothing measured was lost or measured again
 
 
+@pytest.mark.processes
 def test_bad_input(tmp_path):
     assert_one_line_error(dflop("profile", "model", "--model", "gpt-5", "--out", tmp_path),
                           "unknown model 'gpt-5' (known: siglip-so400m")
@@ -147,6 +152,7 @@ def test_bad_input(tmp_path):
         assert_one_line_error(cuda, "--device cuda: this machine has no CUDA device")
 
 
+@pytest.mark.processes
 def test_corrupt_record_is_skipped_with_a_warning_naming_the_line(tmp_path):
     dflop_json("profile", "model", "--model", "tiny-llm", "--grid", "quick", "--repeats", 1, "--out", tmp_path)
     store = tmp_path / "profile.jsonl"
@@ -327,6 +333,7 @@ def test_selection_falls_back_to_the_analytical_model():
     assert note.startswith("cost model: analytical") and not isinstance(cost, ProfiledCostModel)
 
 
+@pytest.mark.processes
 def test_optimize_uses_the_profiled_model_for_the_tiny_pair(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text("encoder: tiny-vit\nllm: tiny-llm\ncluster: {hardware: cpu, nodes: 1, gpus_per_node: 4}\n"

@@ -104,6 +104,7 @@ def test_profile_estimate():
     assert [duration(s) for s in (40, 420, 22076)] == ["40 s", "7 min", "6 h 8 min"]
 
 
+@pytest.mark.processes
 def test_profiling_a_large_model_on_cpu_warns_before_starting(tmp_path):
     # The first line comes before the first shape is measured; the run is stopped there.
     proc = subprocess.Popen([sys.executable, "-m", "dflop.cli.main", "profile", "model", "--model", "qwen2.5-7b",

@@ -20,6 +20,8 @@ from cli_helpers import assert_one_line_error, assert_only_error, dflop_here
 
 from dflop.backends.torch_runtime import backend as torch_backend
 
+pytestmark = pytest.mark.processes
+
 TINY = {"encoder": "tiny-vit", "llm": "tiny-llm", "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": 2},
         "training": {"global_batch": 4}, "data": {"preset": "llava-ov", "samples": 300}, "steps": 4,
         "scheduler": {"solver": "lpt"}, "execution": {"checkpoint_every": 2},

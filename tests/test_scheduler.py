@@ -42,6 +42,7 @@ def test_invariants_of_every_fast_partitioner(problem, solver):
     check(problem, partition(problem, solver, time_limit=10, node_limit=NODES))
 
 
+@pytest.mark.processes
 @settings(max_examples=12, deadline=None)
 @given(problems(max_items=24))
 def test_ilp_never_worse_than_its_warm_start(problem):
@@ -50,6 +51,7 @@ def test_ilp_never_worse_than_its_warm_start(problem):
     assert problem.makespan(outcome.assignment) <= problem.makespan(warm) * (1 + 1e-12)
 
 
+@pytest.mark.processes
 @given(problems(), st.sampled_from(FAST), st.sampled_from([2.0, 4.0, 8.0, 0.5, 0.25]))
 def test_scaling_costs_scales_the_makespan(problem, solver, k):
     # Powers of two scale floats exactly, so even ties between equal loads break the same way;
@@ -79,6 +81,7 @@ def capped(draw):
     return PartitionProblem(costs, k, tokens[:, None], np.array([cap]))
 
 
+@pytest.mark.processes
 @given(capped(), st.sampled_from(["lpt", "auto"]))
 def test_caps_are_respected_or_refused_clearly(problem, solver):
     try:
@@ -117,6 +120,7 @@ def known_optimum(rng, k, per_bin, dims=2, target=1000):
     return PartitionProblem(costs, k)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("k,per_bin,seed", [(3, 3, 0), (4, 4, 1), (4, 4, 2), (8, 6, 3), (16, 8, 4)])
 def test_ilp_on_known_optimum_finds_it_or_reports_the_gap(k, per_bin, seed):
     problem = known_optimum(np.random.default_rng(seed), k, per_bin)
@@ -150,6 +154,7 @@ def any_problems(draw):
     return PartitionProblem(problem.costs, problem.bins, tokens[:, None], np.array([cap]))
 
 
+@pytest.mark.processes
 @settings(max_examples=40, deadline=None)
 @given(any_problems(), st.sampled_from(SOLVERS))
 def test_every_solver_puts_every_item_in_exactly_one_bin(problem, solver):
@@ -237,6 +242,7 @@ def test_one_status_vocabulary():
     assert {str(s) for s in Status} == {"optimal", "feasible", "heuristic"}
 
 
+@pytest.mark.processes
 def test_the_ilp_solver_is_held_to_its_time_limit(monkeypatch):
     """A solve that overruns its limit (HiGHS's root heuristics do not check the clock) is cut off."""
     def stubborn(model, deadline):
@@ -250,6 +256,7 @@ def test_the_ilp_solver_is_held_to_its_time_limit(monkeypatch):
     assert outcome.solver_status == "killed at the time limit" and outcome.proven_bound is None
 
 
+@pytest.mark.processes
 def test_solver_messages_never_reach_stdout(monkeypatch, capfd):
     def chatty(model, deadline):
         os.write(1, b"Cbc0010I some message\n")

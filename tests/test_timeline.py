@@ -130,6 +130,7 @@ def test_simulated_traces_colour_modules_apart(system, model, placement):
     assert counts["p2p"] > 0 and counts["reduce_grad"] > 0 and "recv" not in counts
 
 
+@pytest.mark.processes
 def test_plot_timeline_command(tmp_path):
     trace = save_trace(steps_trace(), tmp_path / "t.json")
     out = dflop_json("plot", "timeline", trace, "--out", tmp_path / "t.png", "--step", "2", "--window", "0", "0.005")

@@ -44,6 +44,7 @@ def test_counts_with_the_tokenizer_file_or_its_folder(tmp_path, tokenizer_json, 
         [EXPECTED["a"], EXPECTED["b"]]
 
 
+@pytest.mark.processes
 def test_profile_records_which_count_was_used(tmp_path, tokenizer_json):
     path = write_json(tmp_path / "m.json", [ENTRIES[0]])
     counted = dflop_json("profile", "data", "--dataset", path, "--tokenizer", tokenizer_json,
@@ -55,6 +56,7 @@ def test_profile_records_which_count_was_used(tmp_path, tokenizer_json):
     assert estimated["all"]["llm_tokens"]["max"] == (3 + 5) + (9 + 5)   # ceil(12 / 4), ceil(34 / 4)
 
 
+@pytest.mark.processes
 def test_bad_tokenizer_files(tmp_path):
     path = write_json(tmp_path / "m.json", [ENTRIES[0]])
     (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"}')

@@ -20,6 +20,8 @@ from dflop.schedule.step import plan_costs, schedule_batch
 from dflop.specs import ClusterSpec, ModulePlan, Plan, Strategy, TrainingSpec, presets
 from dflop.workload.sample import SampleTable
 
+pytestmark = pytest.mark.processes
+
 MODEL = presets.model("tiny-vit", "tiny-llm")
 PLANS = {  # 2, 3 and 4 processes; every kind of program; pipeline, data and tensor parallelism
     "colocated pp2 1F1B": Plan(encoder=ModulePlan(), llm=ModulePlan(pp=2), placement="colocated", microbatches=2),

@@ -9,6 +9,8 @@ import pytest
 import yaml
 from cli_helpers import assert_one_line_error, dflop, dflop_json
 
+pytestmark = pytest.mark.processes
+
 TINY = {"encoder": "tiny-vit", "llm": "tiny-llm", "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": 2},
         "training": {"global_batch": 4}, "data": {"preset": "llava-ov", "samples": 300}, "steps": 2,
         "plan": {"encoder": {"dp": 2}, "llm": {"dp": 2}, "placement": "colocated", "microbatches": 1}}

@@ -42,6 +42,8 @@ from dflop.specs.plan import Module, Strategy, place
 from dflop.specs.plan_file import load_plan
 from dflop.workload.sample import SampleTable
 
+pytestmark = pytest.mark.processes
+
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 PLAN = {"encoder": {"dp": 2}, "llm": {"pp": 2, "dp": 2}, "placement": "colocated", "microbatches": 2}
 SETTLE_S = 90
