@@ -1,13 +1,15 @@
-"""Simulator speed: SimPy executor vs a bare SimPy loop, one step of a 1024-GPU plan, the fast evaluator.
+"""Simulator speed: SimPy executor vs a bare SimPy loop, one step of a 1024-GPU plan, the fast evaluator
+alone on a 16384-GPU plan.
 
 Run: .venv/bin/python benchmarks/bench_sim.py [--quick] [--json PATH]
-(--quick: 10 steps of the pipeline, and a 128-GPU plan instead of 1024)
+(--quick: 10 steps of the pipeline, and 128- and 256-GPU plans instead)
 Prints figures and ratios of things measured in the same run (machines here are shared and noisy).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 import simpy
@@ -24,6 +26,7 @@ from dflop.program.template import build_template
 from dflop.sim.engine import execute
 from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, presets
 from dflop.workload import profile_mix
+from dflop.workload.sample import SampleTable
 
 
 def best_of(fn, repeats=3):
@@ -71,7 +74,8 @@ def pipeline_rate(results: Results, steps: int) -> None:
                  "events of their own)")
 
 
-def big_plan(results: Results, nodes: int) -> None:
+def disaggregated(nodes: int) -> tuple[Plan, ClusterSpec, Callable[[], CostedPlan], SampleTable]:
+    """SigLIP + Qwen2.5-7B on ``nodes`` x 8 H100, the encoder on an eighth of them; 8 samples per GPU."""
     model = presets.model("siglip-so400m", "qwen2.5-7b")
     cluster = ClusterSpec(hardware=presets.hardware("h100"), nodes=nodes, gpus_per_node=8)
     batch = 8 * cluster.gpus
@@ -81,9 +85,14 @@ def big_plan(results: Results, nodes: int) -> None:
     plan = Plan(encoder=ModulePlan(tp=1, pp=1, dp=encoder_dp),
                 llm=ModulePlan(tp=4, pp=4, dp=(cluster.gpus - encoder_dp) // 16), microbatches=16)
     plan.validate(cluster, model, batch)
-    runner = CostedPlan(plan, System(model, cluster, training, cost))
     sample = profile_mix("llava-ov", 20000, model.encoder).sample(batch, np.random.default_rng(0))
-    assignment = np.arange(batch) % plan.bins
+    return plan, cluster, lambda: CostedPlan(plan, System(model, cluster, training, cost)), sample
+
+
+def big_plan(results: Results, nodes: int) -> None:
+    plan, cluster, costed, sample = disaggregated(nodes)
+    runner = costed()
+    assignment = np.arange(len(sample)) % plan.bins
     t_timing, timing = best_of(lambda: runner.builder.timing(sample, assignment))
     t_lower, graph = best_of(lambda: runner.lower(sample, assignment))
     t_costs, costs = best_of(lambda: graph_costs(graph, timing))
@@ -104,11 +113,27 @@ def big_plan(results: Results, nodes: int) -> None:
                  f"{fast.step_ns == exact == int(end.max())})")
 
 
+def huge_plan(results: Results, nodes: int) -> None:
+    """The search's path alone (no step graph) at a size where lowering the graph is out of reach."""
+    plan, cluster, costed, sample = disaggregated(nodes)
+    t_setup, runner = best_of(costed)
+    assignment = np.arange(len(sample)) % plan.bins
+    t_timing, timing = best_of(lambda: runner.builder.timing(sample, assignment))
+    t_fast, fast = best_of(lambda: evaluate(timing))
+    results.table(["stage", "ms"], [["set-up (once per plan)", round(t_setup * 1e3)],
+                                    ["costing the batch", round(t_timing * 1e3)],
+                                    ["fast evaluator", round(t_fast * 1e3, 1)]],
+                  f"{cluster.gpus}-GPU plan [{plan.describe()}], {len(sample)} samples: the fast evaluator's step")
+    results.note(f"{cluster.gpus} GPUs: a step with the fast evaluator (costing + evaluation) "
+                 f"{t_timing + t_fast:.2f} s (target < 1 s at 16384 GPUs); predicted step {fast.step_ns / 1e9:.3f} s")
+
+
 def main() -> None:
     args = arguments(__doc__.splitlines()[0]).parse_args()
     results = Results("Simulator speed", "python benchmarks/bench_sim.py" + (" --quick" if args.quick else ""))
     pipeline_rate(results, 10 if args.quick else 100)
     big_plan(results, 16 if args.quick else 128)
+    huge_plan(results, 32 if args.quick else 2048)
     results.save(args.json)
 
 

@@ -280,19 +280,12 @@ def _relative_error(got: Any, ref: Any) -> float:
 
 
 def _time_ms(fn: Callable[[], Any], device: str, repeats: int = 5) -> float:
-    import torch
+    """Median of ``repeats`` calls after one warm-up, timed as the profiler times (CUDA events on a GPU)."""
+    from dflop.profile.profiler import Timer
 
+    timer = Timer(device)
     fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(times))
+    return float(np.median([timer(fn)[0] for _ in range(repeats)]))
 
 
 def profiles(c: Check) -> dict[str, Any]:
@@ -354,6 +347,7 @@ def block_predictions(records: list[dict[str, Any]], hardware: Any) -> list[dict
     from dflop.cost import flops as F
     from dflop.cost.analytical import AnalyticalCostModel
     from dflop.cost.protocol import StageSpec, WorkShape
+    from dflop.profile.profiler import packed_lengths
     from dflop.specs import TrainingSpec, presets
     from dflop.specs.models import MLLMSpec
     from dflop.specs.plan import Module
@@ -367,8 +361,8 @@ def block_predictions(records: list[dict[str, Any]], hardware: Any) -> list[dict
             llm = presets.llm(r["model"])
             model = MLLMSpec(encoder=presets.encoder("tiny-vit"), llm=llm)
             tokens, seq = r["shape"]["tokens"], r["shape"]["seq"]
-            full, rest = divmod(tokens, seq)
-            shape = WorkShape(samples=full + (rest > 0), tokens=tokens, sum_sq=full * seq * seq + rest * rest)
+            lengths = packed_lengths(tokens, seq)
+            shape = WorkShape(samples=len(lengths), tokens=tokens, sum_sq=sum(n * n for n in lengths))
             flops = float(F.llm_layer_flops(llm, tokens, shape.sum_sq).total)
         else:
             enc = presets.encoder(r["model"])
@@ -591,10 +585,10 @@ def run_steps(c: Check, steps: tuple[tuple[str, Callable[[Check], dict[str, Any]
     return all(s["status"] in PASSING for s in c.results["steps"].values())
 
 
-def device_slug(c: Check) -> str:
+def device_slug(target: Target) -> str:
     from dflop.profile.profiler import device_name
 
-    name = device_name(c.target.device).lower().replace("nvidia", "")
+    name = device_name(target.device).lower().replace("nvidia", "")
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "device"
 
 
@@ -695,10 +689,9 @@ def main(argv: list[str] | None = None) -> int:
                   "CPU", file=sys.stderr)
             return 2
     date = datetime.date.today().isoformat()
-    c = Check(target, Path("."), start + args.budget_s, log=lambda s: print(s, flush=True))
-    out = args.out or HERE / "results" / f"gpu-{device_slug(c)}-{date}"
+    out = args.out or HERE / "results" / f"gpu-{device_slug(target)}-{date}"
     out.mkdir(parents=True, exist_ok=True)
-    c.out = out
+    c = Check(target, out, start + args.budget_s, log=lambda s: print(s, flush=True))
     c.results.update({"date": date, "dry": args.dry, "budget_s": args.budget_s,
                       "command": "make gpu-check" + (" DRY=1" if args.dry else "")})
     print(f"gpu-check{' (dry run, CPU)' if args.dry else ''}: {len(STEPS)} steps, at most {args.budget_s:.0f} s; "

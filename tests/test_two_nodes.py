@@ -200,7 +200,8 @@ def progress_of(tmp):
 
 def test_killing_one_node_s_agent_stops_the_other_node_naming_the_lost_rank(config, tmp_path):
     """kill -9 of the agent of node 1 (its process group) in the middle of step 1 or later: its ranks
-    go with it, and node 0's ranks each stop with one line naming the rank of node 1 they lost."""
+    go with it, and node 0's ranks each stop with one line naming the ranks of node 1 they lost (not
+    a sibling of node 0 whose exit closed their link), inside the step graph or between steps."""
     path = config("killed", steps=30)
     out, port = tmp_path / "run", free_port()
     tmps = [tmp_path / "tmp0", tmp_path / "tmp1"]
@@ -226,8 +227,8 @@ def test_killing_one_node_s_agent_stops_the_other_node_naming_the_lost_rank(conf
     errors = [line for line in err.splitlines() if line.startswith("dflop: error: ")]
     assert errors, err[-3000:]
     for line in errors:
-        assert re.search(r"^dflop: error: rank [01] \(w\d\) failed at step \d+, node \S+, lost rank [23] \(node 1\): ",
-                         line), line
+        assert re.search(r"^dflop: error: rank [01] \(w\d\) failed at step \d+, (node|in) \S+, "
+                         r"lost rank [23] \(node 1\)(, rank [23] \(node 1\))?: ", line), err[-3000:]
     ours = [str(Path(m.__file__).parent) for m in (dflop, dflop.backends)]
     frames = [line for line in err.splitlines() if line.strip().startswith("File ")]
     assert not any(root in f for f in frames for root in ours), err[-3000:]  # no traceback of a rank
@@ -291,3 +292,27 @@ def test_a_failed_exchange_names_the_peer_rank_and_its_planned_node():
     assert ", node 0B0, with rank 2 (node 1): ValueError: 3 != 4" in str(run.failure(node("0B0"), ValueError("3 != 4")))
     del run.recv_marks[node("0RECV_B0")]  # received: what fails now is the backward itself
     assert ", node 0B0: ValueError" in str(run.failure(node("0B0"), ValueError("3 != 4")))
+
+
+def test_a_lost_link_to_a_sibling_that_failed_first_names_the_rank_the_sibling_lost(tmp_path):
+    """On node 0, rank 1 lost rank 2 and exited; rank 0 then finds its link to rank 1 closed. Rank 0
+    names rank 2 (rank 1's record, followed), not rank 1; a sibling still running without a record
+    is not named; a sibling gone without a record, or a peer of another node, is."""
+    import subprocess
+
+    from dflop.backends.torch_runtime.progress import ProgressFile, lost_ranks
+
+    me, sibling = ProgressFile(tmp_path, 0), ProgressFile(tmp_path, 1)  # both this process: alive
+    assert lost_ranks(tmp_path, [1, 2]) == [2]  # rank 1 runs and recorded nothing: not lost
+    assert lost_ranks(tmp_path, [1]) == [1]  # nothing better to name: the peers as given
+    sibling.record_lost([2, 3])
+    assert lost_ranks(tmp_path, [1]) == [2, 3]
+    sibling.record_lost([0])  # a record pointing back at the asking rank leads nowhere
+    assert lost_ranks(tmp_path, [1]) == [1]
+    (tmp_path / "rank-1.lost").unlink()
+    gone = subprocess.Popen(["true"])  # noqa: S607
+    gone.wait()  # reaped: its pid names no process
+    (tmp_path / "rank-1.pid").write_text(str(gone.pid))
+    assert lost_ranks(tmp_path, [1, 3]) == [1, 3]
+    me.close()
+    sibling.close()

@@ -152,8 +152,8 @@ class TorchBackend:
             found = checkpoint.resume_point(Path(opts.checkpoint_dir), len(steps),
                                             checkpoint.identity(opts.seed, runner.plan))
             opts = replace(opts, resume_from=str(found) if found is not None else "")
-        with tempfile.TemporaryDirectory(prefix="dflop-progress-") as progress:
-            opts = opts if opts.progress_dir else replace(opts, progress_dir=progress)
+        with _progress_folder() as progress:
+            opts = opts if opts.progress_dir else replace(opts, progress_dir=str(progress))
             payload = Payload(runner.plan, runner.system.model, [s.batch for s in steps],
                               [np.asarray(s.assignment) for s in steps], opts, runner.system.cluster.gpus_per_node)
             results = self._launch(payload, Path(opts.progress_dir))
@@ -374,6 +374,28 @@ def _own_signal_handlers() -> Iterator[None]:
         for n, handler in saved.items():
             if handler is not None:  # None: set outside Python, nothing to put back
                 signal.signal(getattr(signal, n), handler)
+
+
+@contextmanager
+def _progress_folder() -> Iterator[Path]:
+    """Where the ranks of this node keep their progress files. Under torchrun, one folder per agent
+    (the ranks' parent process), shared by its ranks so that each can read what a sibling lost; left
+    behind when a rank failed (a sibling failing later reads it), removed after a run that ended well.
+    Launched here, a temporary folder for the launch."""
+    if not under_torchrun():
+        with tempfile.TemporaryDirectory(prefix="dflop-progress-") as folder:
+            yield Path(folder)
+        return
+    folder = Path(tempfile.gettempdir()) / f"dflop-progress-agent-{os.getppid()}"
+    folder.mkdir(exist_ok=True)
+    yield folder
+    rank = os.environ["RANK"]
+    for suffix in ("progress", "pid", "lost"):
+        (folder / f"rank-{rank}.{suffix}").unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:  # a sibling's files are still there: the last to finish removes it
+        pass
 
 
 def _failure_message(exc: Any, progress: Path) -> tuple[str, str]:

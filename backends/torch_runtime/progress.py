@@ -3,11 +3,17 @@
 When a rank is killed mid-step it can say nothing, and the launcher tears the
 others down; the last (step, node) a rank wrote survives it, so the error can
 name where the run stopped. Writing is a memory store, so every node can afford it.
+
+The ranks of one node share the folder, which also holds each rank's pid and,
+once it failed on a lost connection, the ranks it lost: a rank that loses its
+link to a sibling that failed first can then name the rank that really died
+(``lost_ranks``), not the sibling whose exit closed the link.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 
 SIZE = 128
@@ -19,10 +25,18 @@ class ProgressFile:
         path.write_bytes(b" " * SIZE)
         self._file = path.open("r+b")
         self._map = mmap.mmap(self._file.fileno(), SIZE)
+        self.folder, self.rank = folder, rank
+        (folder / f"rank-{rank}.pid").write_text(str(os.getpid()))
 
     def write(self, step: int, label: str) -> None:
         text = f"{step} {label}".encode()[:SIZE]
         self._map[:SIZE] = text.ljust(SIZE)
+
+    def record_lost(self, ranks: list[int]) -> None:
+        """Before this rank exits on a lost connection: the ranks it lost (written whole, by a rename)."""
+        part = self.folder / f"rank-{self.rank}.lost.part"
+        part.write_text(" ".join(map(str, ranks)))
+        part.replace(self.folder / f"rank-{self.rank}.lost")
 
     def close(self) -> None:
         self._map.close()
@@ -37,3 +51,45 @@ def read_progress(folder: Path, rank: int) -> tuple[int, str] | None:
         return None
     step, _, label = text.partition(" ")
     return (int(step), label) if step.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_ints(path: Path) -> list[int] | None:
+    try:
+        return [int(x) for x in path.read_text().split()]
+    except (OSError, ValueError):
+        return None
+
+
+def lost_ranks(folder: Path, peers: list[int]) -> list[int]:
+    """Which of ``peers`` (ranks whose link broke) are really gone, as far as this node can tell.
+
+    A peer of this node that recorded what it lost stands for those ranks (followed
+    through); one still running without a record is not lost (its link broke for
+    another reason, and it will say so); one whose process is gone is lost; a peer
+    of another node cannot be looked at and is kept. Never empty when ``peers`` is not.
+    """
+    out: list[int] = []
+    seen: set[int] = set()
+    todo = list(peers)
+    while todo:
+        peer = todo.pop(0)
+        if peer in seen:
+            continue
+        seen.add(peer)
+        record = _read_ints(folder / f"rank-{peer}.lost")
+        pid = _read_ints(folder / f"rank-{peer}.pid")
+        if record:
+            todo += record
+        elif not pid or not _alive(pid[0]):
+            out.append(peer)
+    return sorted(set(out)) or sorted(set(peers))

@@ -38,6 +38,7 @@ from dflop.specs.plan import Module, Strategy
 
 from dflop.backends.torch_runtime.model import Sequence, pack_sequence, sample_inputs
 from dflop.backends.torch_runtime.parallel import RankLayout, all_reduce_grads
+from dflop.backends.torch_runtime.progress import lost_ranks
 from dflop.backends.torch_runtime.shapes import StepData
 
 
@@ -197,15 +198,19 @@ class RankStep:
         raise RuntimeError("injected failure")
 
     def failure(self, n: int, exc: BaseException) -> ActionFailed:
-        label = self.graph.labels[n]
         ids = self.graph.order[self.w.graph_worker]
         lines = [f"{'>>' if i == n else '  '} {self.graph.labels[i]}" for i in ids]
+        return self.failed(f"node {self.graph.labels[n]}", self.peers_of(n), exc, self.graph.nodes[n], "\n".join(lines))
+
+    def failed(self, where: str, peers: list[int], exc: BaseException, node: Node | None = None,
+               details: str = "") -> ActionFailed:
+        """The one-line error of this rank failing ``where`` (a node of the step graph, or a collective
+        between steps) while it exchanged with ``peers``."""
         what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in what.lower():
-            what = f"out of memory ({self.shape_of(self.graph.nodes[n])}): {what}"
+        if node is not None and (isinstance(exc, torch.OutOfMemoryError) or "out of memory" in what.lower()):
+            what = f"out of memory ({self.shape_of(node)}): {what}"
         return ActionFailed(f"rank {self.w.layout.rank} (w{self.w.graph_worker}) failed at step {self.step}, "
-                            f"node {label}{self.peers_named(n, what)}: {type(exc).__name__}: {what}",
-                            details="\n".join(lines))
+                            f"{where}{self.peers_named(peers, what)}: {type(exc).__name__}: {what}", details=details)
 
     def peers_of(self, n: int) -> list[int]:
         """The ranks node ``n`` exchanges with: a send's receivers, a receive's sender (also while its
@@ -218,15 +223,19 @@ class RankStep:
         waiting = [n] if node.kind.is_recv else [d for d in self.graph.inputs[n] if d in self.recv_marks][:1]
         return [layout.recv_from(self.graph.nodes[d].peer) for d in waiting]
 
-    def peers_named(self, n: int, what: str) -> str:
-        """', lost rank 2 (node 1)' when the connection to a peer broke (the peer died, or its node),
-        ', with rank 2 (node 1)' for another failure of a communication; '' otherwise."""
-        peers = self.peers_of(n)
+    def peers_named(self, peers: list[int], what: str) -> str:
+        """', lost rank 2 (node 1)' when the connection to a peer broke (the peer died, or its node:
+        the ranks really gone, see ``lost_ranks``), ', with rank 2 (node 1)' for another failure of a
+        communication; '' otherwise."""
         if not peers:
             return ""
+        lost = any(m in what for m in CONNECTION_LOST)
+        if lost and self.progress is not None:
+            peers = lost_ranks(self.progress.folder, peers)
+            self.progress.record_lost(peers)
         per_node = self.gpus_per_node
         names = ", ".join(f"rank {r}" + (f" (node {r // per_node})" if per_node else "") for r in peers)
-        return f", {'lost' if any(m in what for m in CONNECTION_LOST) else 'with'} {names}"
+        return f", {'lost' if lost else 'with'} {names}"
 
     def shape_of(self, node: Node) -> str:
         if node.microbatch < 0:

@@ -8,11 +8,12 @@ crosses from the launcher to the ranks.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -198,13 +199,16 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
         run.progress = progress
         run.gpus_per_node = payload.gpus_per_node
         run.prepare()
-        dist.barrier()
+        with _between_steps(run, "barrier"):
+            dist.barrier()
         clock.mark()
         run.run()
         if info["tied"]:
-            _sync_tied_embedding(worker, groups, template, info["gw"])
+            with _between_steps(run, "tied-embedding"):
+                _sync_tied_embedding(worker, groups, template, info["gw"])
         opt_start = clock.mark()
-        optimizer.step()
+        with _between_steps(run, "optimizer"):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         end = clock.mark()
         marks = clock.resolve()
@@ -216,6 +220,19 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
         result.parameters = {n: _full(p).detach().cpu().clone() for n, p in named.items()}
     dist.barrier()
     return result
+
+
+@contextlib.contextmanager
+def _between_steps(run: RankStep, what: str) -> Iterator[None]:
+    """A collective outside the step graph fails as a node does: one line naming the rank, the step
+    and the ranks lost (a peer dies between two steps as often as inside one)."""
+    if run.progress is not None:
+        run.progress.write(run.step, what)
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - named, then re-raised for the launcher
+        others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+        raise run.failed(f"in {what}", others, exc) from exc
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

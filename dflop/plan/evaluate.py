@@ -25,7 +25,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Hashable, TypeVar
 
 import numpy as np
 
@@ -51,6 +51,18 @@ QUICK_GAP = 1e-3
 PARTITIONS_KEPT = 256
 """Partitions an evaluator keeps (the oldest go first): enough for the plans one search times
 alike, a bounded memory on batches of tens of thousands of samples."""
+RUNNERS_KEPT = 65
+"""Costed plans an evaluator keeps: a search times one plan's neighbours together."""
+T = TypeVar("T")
+
+
+def _kept(cache: dict[Hashable, T], key: Hashable, make: Callable[[], T], limit: int = PARTITIONS_KEPT) -> T:
+    """``cache[key]``, made on a miss; a full cache drops its oldest entry first (memory stays bounded)."""
+    if key not in cache:
+        if len(cache) >= limit:
+            cache.pop(next(iter(cache)))
+        cache[key] = make()
+    return cache[key]
 CAP_SLACK = 1.3
 """A data-aware bin may hold this many times the average bin's tokens and tiles (of the heaviest
 batch in the pool)."""
@@ -300,11 +312,7 @@ class Evaluator:
     # ---- evaluation -----------------------------------------------------------------------------
 
     def runner(self, plan: Plan) -> CostedPlan:
-        if plan not in self._runners:
-            if len(self._runners) > 64:
-                self._runners.pop(next(iter(self._runners)))
-            self._runners[plan] = CostedPlan(plan, self.p.system)
-        return self._runners[plan]
+        return _kept(self._runners, plan, lambda: CostedPlan(plan, self.p.system), RUNNERS_KEPT)
 
     def assignment(self, plan: Plan, i: int, batching: Batching,
                    within: Batching | None = None) -> tuple[np.ndarray, float]:
@@ -312,12 +320,8 @@ class Evaluator:
         they are in predicted cost (largest bin over the mean); once per bin grid and what the
         per-sample costs read (``bins_key``), which plans alike but for their memory options,
         recomputation or schedule share, and so do the evaluator and its noisy twin."""
-        key = (i, batching, within, *bins_key(plan))
-        if key not in self._bins:
-            if len(self._bins) >= PARTITIONS_KEPT:
-                self._bins.pop(next(iter(self._bins)))
-            self._bins[key] = self._assignment(plan, i, batching, within)
-        return self._bins[key]
+        return _kept(self._bins, (i, batching, within, *bins_key(plan)),
+                     lambda: self._assignment(plan, i, batching, within))
 
     def _assignment(self, plan: Plan, i: int, batching: Batching,
                     within: Batching | None) -> tuple[np.ndarray, float]:
@@ -347,12 +351,7 @@ class Evaluator:
                     for a in (costs, caps, start if start is not None else np.zeros(0))))
 
         def solve(problem: PartitionProblem) -> Partition:
-            at = (*key, problem.bins)
-            if at not in self._partitions:
-                if len(self._partitions) >= PARTITIONS_KEPT:
-                    self._partitions.pop(next(iter(self._partitions)))
-                self._partitions[at] = quick(problem, start)
-            return self._partitions[at]
+            return _kept(self._partitions, (*key, problem.bins), lambda: quick(problem, start))
 
         return solve
 

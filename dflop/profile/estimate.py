@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from dflop.cost import flops as F
-from dflop.profile.profiler import GRIDS, MIN_SAMPLE_MS, PROBES, REPEATS, WARMUP, default_llm, jobs, resolve
+from dflop.profile.profiler import (GRIDS, MIN_SAMPLE_MS, PROBES, REPEATS, WARMUP, default_llm, jobs,
+                                    packed_lengths, resolve)
 from dflop.specs import presets
 from dflop.specs.hardware import HardwareSpec
 from dflop.specs.models import MLLMSpec
@@ -35,8 +36,8 @@ def _forward_flops(kind: Module, spec, pair: MLLMSpec | None, phase: str, shape:
     if kind == Module.LLM:
         tokens, seq = shape["tokens"], shape.get("seq", 0)
         if phase == "block":
-            full, rest = divmod(tokens, seq)
-            return float(F.llm_layer_flops(spec, tokens, full * seq * seq + rest * rest).total) / tp
+            sum_sq = sum(n * n for n in packed_lengths(tokens, seq))
+            return float(F.llm_layer_flops(spec, tokens, sum_sq).total) / tp
         return float(F.llm_head_flops(spec, tokens)) / tp if phase == "head" else 0.0
     tiles = shape["tiles"]
     if phase == "block":

@@ -222,6 +222,12 @@ def saved_bytes(module: nn.Module) -> Iterator[list[int]]:
         yield total
 
 
+def packed_lengths(tokens: int, seq: int) -> list[int]:
+    """The sample lengths of a profiled LLM block shape: ``tokens`` packed as samples of ``seq``, the
+    last one shorter when ``seq`` does not divide ``tokens``."""
+    return [seq] * (tokens // seq) + ([tokens % seq] if tokens % seq else [])
+
+
 class Timer:
     def __init__(self, device: str) -> None:
         self.cuda = device == "cuda"
@@ -382,8 +388,7 @@ def jobs(kind: Module, spec: EncoderSpec | LLMSpec, pair: MLLMSpec, tp: int, gri
         shapes = [(t, s, False) for t in grid.tokens for s in grid.seq if s <= t]
         shapes = sorted(shapes + [(t, s, True) for t, s in grid.holdout_llm])
         for tokens, seq, holdout in shapes:
-            lengths = [seq] * (tokens // seq) + ([tokens % seq] if tokens % seq else [])
-            positions, cu = pack(lengths, device)
+            positions, cu = pack(packed_lengths(tokens, seq), device)
             yield ("block", {"tokens": tokens, "seq": seq}, holdout,
                    block(lambda: DecoderBlock(spec, width).to(**opts)),
                    lambda t=tokens, p=positions, c=cu: (tensor(t, h), p, c))

@@ -24,7 +24,7 @@ from dflop.program.actions import Kind
 from dflop.program.collectives import group_collectives
 from dflop.program.routing import encoder_replicas
 from dflop.program.template import Template
-from dflop.specs.hardware import ClusterSpec, TrainingSpec
+from dflop.specs.hardware import TrainingSpec
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module, Plan, Strategy, place
 from dflop.timing.dpcomm import NS, TimedCollective, dp_gpus, fsdp_op, group_comm, reduction, shard_degree, to_ns
@@ -124,14 +124,6 @@ def group_state(plan: Plan, model: MLLMSpec, training: TrainingSpec, layers: dic
                                          fp32_grads=plan.fp32_grads, root_params=params - held)))
 
 
-def _link(cluster: ClusterSpec, a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, float]:
-    """(bandwidth per GPU, latency) between two GPU groups."""
-    hw = cluster.hardware
-    if {cluster.node_of(g) for g in a + b} == {cluster.node_of(a[0])}:
-        return hw.intra_node_bandwidth, hw.intra_node_latency
-    return hw.inter_node_bandwidth, hw.inter_node_latency
-
-
 class TimingBuilder:
     """Turns batches into StepTimings for one plan.
 
@@ -147,6 +139,9 @@ class TimingBuilder:
         self.plan, self.m = plan, plan.microbatches
         gpu_map = place(plan)
         self.gpus = [[gpu_map.gpus(g.module, g.rank, x) for x in range(g.replicas)] for g in template.groups]
+        node = self.cluster.node_of  # per group, the first and the last node of each replica's GPUs
+        self.nodes = [(np.array([node(min(r)) for r in group]), np.array([node(max(r)) for r in group]))
+                      for group in self.gpus]
         self.layers = {Module.ENCODER: plan.stage_layers(Module.ENCODER, self.model),
                        Module.LLM: plan.stage_layers(Module.LLM, self.model)}
         self.links: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -165,10 +160,14 @@ class TimingBuilder:
         self.specs = group_collectives(template)
 
     def _links(self, a: int, b: int, xa: np.ndarray, xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per pair of replicas: bandwidth of a TP group's parallel links, and latency."""
+        """Per pair of replicas: bandwidth of a TP group's parallel links, and latency (a pair's link is
+        within a node when all of both replicas' GPUs are on one node)."""
         tp = min(self.t.groups[a].tp, self.t.groups[b].tp)
-        pairs = [_link(self.cluster, self.gpus[a][i], self.gpus[b][k]) for i, k in zip(xa, xb)]
-        return np.array([p[0] * tp for p in pairs]), np.array([p[1] for p in pairs])
+        (lo_a, hi_a), (lo_b, hi_b) = self.nodes[a], self.nodes[b]
+        within = np.minimum(lo_a[xa], lo_b[xb]) == np.maximum(hi_a[xa], hi_b[xb])
+        hw = self.cluster.hardware
+        return (np.where(within, hw.intra_node_bandwidth, hw.inter_node_bandwidth) * tp,
+                np.where(within, hw.intra_node_latency, hw.inter_node_latency).astype(float))
 
     def stage_spec(self, module: str, stage: int, tp: int) -> StageSpec:
         return StageSpec.of(module, self.layers[module], stage, tp, self.plan.recompute)
