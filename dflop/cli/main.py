@@ -627,13 +627,17 @@ def plot_timeline(trace: Path, out: Path, compare: Path | None, step: int | str 
 @cli.command("export")
 @click.argument("plan_path", metavar="PLAN", type=click.Path(path_type=Path))
 @click.option("--to", "target", type=click.Choice(["megatron", "torchtitan"], case_sensitive=False), required=True,
-              help="megatron: Megatron-LM launch flags; torchtitan: a job config TOML fragment.")
+              help="megatron: Megatron-LM launch flags; torchtitan: its config overrides (see --torchtitan-version).")
+@click.option("--torchtitan-version", type=click.Choice(["0.3", "0.2"]), default="0.3", show_default=True,
+              help="With --to torchtitan: 0.3 prints one --section.field value override per line; 0.2 (and "
+                   "earlier) a job config TOML fragment.")
 @click.option("--config", type=click.Path(path_type=Path),
               help="Run config giving the model and the training settings (default: the embedded one).")
 @click.option("--global-batch", type=click.IntRange(1, MAX_GLOBAL_BATCH),
               help="Samples per step (default: the config's).")
 @json_option
-def export(plan_path: Path, target: str, config: Path | None, global_batch: int | None, as_json: bool) -> None:
+def export(plan_path: Path, target: str, torchtitan_version: str, config: Path | None, global_batch: int | None,
+           as_json: bool) -> None:
     """Write a plan as another framework's launch arguments; say what that framework cannot express."""
     from dflop.jobs.export import export_plan
     from dflop.jobs.setup import check_plan, load_config
@@ -650,7 +654,8 @@ def export(plan_path: Path, target: str, config: Path | None, global_batch: int 
                               gpus_per_node=per_node)
     check_plan(plan, f"{plan_path}:", run_config, cluster, global_batch)
     result = export_plan(plan, run_config.model, target, training=run_config.training, cluster=cluster,
-                         global_batch=global_batch or run_config.training.global_batch)
+                         global_batch=global_batch or run_config.training.global_batch,
+                         torchtitan_version=torchtitan_version)
     emit(result.as_dict(), as_json, lambda r: r["text"])
 
 

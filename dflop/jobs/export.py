@@ -1,11 +1,18 @@
 """A dflop plan as the launch arguments of the frameworks people train with.
 
 ``megatron``: Megatron-LM flags, as ``megatron/training/arguments.py`` names them
-(checked against core v0.13 and the 2026 main branch). ``torchtitan``: a TOML
-fragment with the ``[parallelism]``, ``[training]`` and ``[activation_checkpoint]``
-fields of torchtitan's ``JobConfig`` (the TOML configs of releases up to early
-2026; the same names are its ``--parallelism.*`` command-line flags and the fields
-of its ``ParallelismConfig``).
+(every flag written exists at release core_v0.19.0; the encoder's own parallelism
+flags were removed in core v0.14, so a disaggregated encoder is a stated gap, not a
+flag that would stop the launch). ``torchtitan``, by :class:`TitanVersion`: for 0.3,
+which has no TOML job files (a ``--module``/``--config`` registry function plus
+command-line overrides), one ``--section.field value`` override per line for its
+``ParallelismConfig`` and ``TrainingConfig``; the activation-checkpointing
+subcommand (``activation-checkpoint:none|full|selective``; it must come last) is in
+the header's launch line and a ``# subcommand:`` comment; for
+0.2 and earlier, a TOML fragment with ``[parallelism]``, ``[training]`` and
+``[activation_checkpoint]``. 0.3's overrides cannot give a list of lists, so its
+layer split is said with the fields that steer torchtitan's generated split.
+The tests hold every name against pinned copies of those releases' field lists.
 
 Neither framework can express everything a plan says. What is lost is listed
 (``Export.unsupported``) and written into the output as comments, next to the
@@ -20,6 +27,7 @@ replicate across nodes: the cluster says how many GPUs a node holds),
 
 from __future__ import annotations
 
+import shlex
 import textwrap
 from dataclasses import dataclass
 from enum import Enum
@@ -36,6 +44,9 @@ LOOPED = ("1F1B", "Interleaved1F1B")
 """Megatron-LM's pipeline schedules (1F1B, interleaved when a rank holds several stages)."""
 TORCH_NAMES = {"ZBH1": "InterleavedZeroBubble"}
 """dflop schedule names that torch.distributed.pipelining spells differently."""
+SINGLE_STAGE = ("GPipe", "1F1B")
+"""torch.distributed.pipelining's schedules with one stage per rank; torchtitan gives the others two
+unless told the layers per stage."""
 
 
 class Target(str, Enum):
@@ -48,6 +59,17 @@ class Target(str, Enum):
     @property
     def title(self) -> str:
         return "Megatron-LM" if self is Target.MEGATRON else "torchtitan"
+
+
+class TitanVersion(str, Enum):
+    """torchtitan releases whose config surfaces differ: 0.2 (and earlier) read TOML job files, 0.3 a
+    config registry function plus command-line overrides."""
+
+    V0_2 = "0.2"
+    V0_3 = "0.3"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -198,32 +220,29 @@ def _megatron_recompute(s: Settings) -> list[str]:
     return ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
 
 
-def _megatron_encoder(s: Settings) -> tuple[list[str], list[str]]:
+def _megatron_encoder(s: Settings) -> list[str]:
+    """A disaggregated encoder is a gap: its flags left Megatron-LM in core v0.14, and a flag the
+    release does not know stops the launch."""
     plan = s.plan
     if plan.colocated:
-        return [], []
+        return []
     enc, llm = plan.encoder, plan.llm
-    flags = [f"--encoder-tensor-model-parallel-size {enc.tp}", f"--encoder-pipeline-model-parallel-size {enc.pp}"]
-    gaps = ["disaggregated placement: the encoder flags exist in Megatron-LM core v0.13 and earlier (removed in "
-            "v0.14), and there the encoder's stages join every LLM pipeline, with the LLM's data parallelism"]
-    if enc.dp != llm.dp:
-        gaps.append(f"encoder dp {enc.dp} differs from llm dp {llm.dp}: Megatron gives the encoder the LLM's "
-                    f"data parallelism ({llm.dp} x {enc.tp * enc.pp} encoder GPUs instead of {enc.gpus})")
-    if enc.tp > llm.tp:
-        gaps.append(f"encoder tp {enc.tp} above llm tp {llm.tp}: Megatron needs the encoder's tp at most the LLM's")
-    return flags, gaps
+    return [f"disaggregated placement: the encoder's own {enc.gpus} GPUs ({enc.describe()}): Megatron-LM core "
+            f"v0.14 and later have no encoder parallelism flags and run the encoder in the first LLM pipeline "
+            f"stage, with llm tp {llm.tp} and dp {llm.dp} (core v0.13 and earlier took "
+            f"--encoder-tensor-model-parallel-size {enc.tp} --encoder-pipeline-model-parallel-size {enc.pp}, "
+            "the encoder's stages joining every LLM pipeline with the LLM's data parallelism)"]
 
 
 def megatron(s: Settings) -> Export:
     plan = s.plan
     schedule = canonical(plan.schedule)
     zero_flags, zero_gaps = _megatron_zero(s)
-    encoder_flags, encoder_gaps = _megatron_encoder(s)
     flags = [f"--tensor-model-parallel-size {plan.llm.tp}", f"--pipeline-model-parallel-size {plan.llm.pp}",
-             *_megatron_split(s), *encoder_flags, f"--micro-batch-size {s.micro_batch}",
+             *_megatron_split(s), f"--micro-batch-size {s.micro_batch}",
              f"--global-batch-size {s.micro_batch * s.dp * plan.microbatches}",
              *_megatron_recompute(s), *zero_flags]
-    gaps = _common_gaps(s, Target.MEGATRON) + zero_gaps + encoder_gaps
+    gaps = _common_gaps(s, Target.MEGATRON) + zero_gaps + _megatron_encoder(s)
     if plan.llm.pp > 1 and schedule not in LOOPED:
         gaps.append(f"pipeline schedule {schedule}: Megatron-LM runs 1F1B (interleaved with virtual stages)")
     if plan.llm.pp > 1 and len(s.stage_layers) > plan.llm.pp and plan.microbatches % plan.llm.pp:
@@ -259,17 +278,56 @@ def _titan_data_parallel(s: Settings) -> tuple[dict[str, Any], list[str]]:
     return fields, gaps
 
 
-def _titan_pipeline(s: Settings) -> dict[str, Any]:
-    if s.plan.llm.pp == 1:
-        return {}
-    schedule = canonical(s.plan.schedule)
-    parts, first, last = [], 0, len(s.stage_layers) - 1
-    for k, n in enumerate(s.stage_layers):
+def _titan_parts(layers: tuple[int, ...]) -> list[list[str]]:
+    """Each stage's modules, as torchtitan 0.2's llama3 and qwen3 models name them."""
+    parts, first, last = [], 0, len(layers) - 1
+    for k, n in enumerate(layers):
         parts.append((["tok_embeddings"] if k == 0 else []) + [f"layers.{i}" for i in range(first, first + n)]
                      + (["norm", "output"] if k == last else []))
         first += n
-    return {"pipeline_parallel_schedule": TORCH_NAMES.get(schedule, schedule),
-            "pipeline_parallel_microbatch_size": s.micro_batch, "module_fqns_per_model_part": parts}
+    return parts
+
+
+def _titan_split(layers: tuple[int, ...], pp: int, schedule: str) -> dict[str, int] | None:
+    """torchtitan 0.3's fields whose generated split is ``layers``; None if none give it.
+
+    Its split (``torchtitan/distributed/pipeline_parallel.py``): the layers plus the first and last
+    stages' ``*_less_layers`` shared evenly over the stages, the remainder one each to the first
+    stages; the stage count from ``pipeline_parallel_layers_per_stage`` (rounding up), else one or
+    two per rank by schedule."""
+    stages, middle = len(layers), list(layers[1:-1])
+    if (stages == pp) != (schedule in SINGLE_STAGE):  # torchtitan refuses other stage counts per rank
+        return None
+    for base in sorted({*middle, *(m - 1 for m in middle)} or {max(layers)}, reverse=True):
+        for extra in range(stages):
+            effective = [base + (k < extra) for k in range(stages)]
+            if base < 1 or effective[1:-1] != middle:
+                continue
+            fields = {"pipeline_parallel_first_stage_less_layers": effective[0] - layers[0],
+                      "pipeline_parallel_last_stage_less_layers": effective[-1] - layers[-1]}
+            if stages == pp * (1 if schedule in SINGLE_STAGE else 2):
+                return fields
+            total = sum(effective)
+            per_stage = -(-total // stages)
+            if -(-total // per_stage) == stages:
+                return {**fields, "pipeline_parallel_layers_per_stage": per_stage}
+    return None
+
+
+def _titan_pipeline(s: Settings, version: TitanVersion) -> tuple[dict[str, Any], list[str]]:
+    if s.plan.llm.pp == 1:
+        return {}, []
+    schedule = TORCH_NAMES.get(canonical(s.plan.schedule), canonical(s.plan.schedule))
+    fields = {"pipeline_parallel_schedule": schedule, "pipeline_parallel_microbatch_size": s.micro_batch}
+    if version is TitanVersion.V0_2:
+        return {**fields, "module_fqns_per_model_part": _titan_parts(s.stage_layers)}, []
+    split = _titan_split(s.stage_layers, s.plan.llm.pp, schedule)
+    if split is None:
+        return fields, [f"LLM stages {list(s.stage_layers)} under {schedule}: torchtitan 0.3's generated split "
+                        "cannot give them (one stage per rank for GPipe and 1F1B, two or more for the others), and "
+                        "module_fqns_per_model_part is no command-line override: set it in your config registry "
+                        "function (--torchtitan-version 0.2 lists the module names)"]
+    return {**fields, **split}, []
 
 
 def _toml_value(value: Any) -> str:
@@ -282,15 +340,39 @@ def _toml_value(value: Any) -> str:
     return str(value)
 
 
-def torchtitan(s: Settings) -> Export:
+def _titan_toml(s: Settings, sections: dict[str, dict[str, Any]]) -> list[str]:
+    head = [f"torchtitan job config fragment for the dflop plan [{s.plan.describe()}]",
+            f"({s.plan.llm.gpus} GPUs for the LLM; merge into your train config's TOML)"]
+    if "module_fqns_per_model_part" in sections["parallelism"]:
+        head.append("module_fqns_per_model_part uses the module names of torchtitan's llama3 and qwen3 models")
+    lines = _comment(head)
+    for name, fields in {**sections, "activation_checkpoint": {"mode": s.recompute}}.items():
+        lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
+    return lines + [""]
+
+
+def _titan_overrides(s: Settings, sections: dict[str, dict[str, Any]]) -> list[str]:
+    """One override per line, nothing else uncommented; the activation-checkpointing subcommand is no
+    override (tyro reads it after every flag, and without it torchtitan checkpoints selectively), so
+    the launch line in the header ends with it and a ``# subcommand:`` line names it."""
+    command = f"activation-checkpoint:{s.recompute}"
+    head = [f"torchtitan 0.3 command-line overrides for the dflop plan [{s.plan.describe()}]",
+            f"({s.plan.llm.gpus} GPUs for the LLM; launch: torchrun ... -m torchtitan.train --module MODEL "
+            f"--config CONFIG $(grep -v '^#' THIS_FILE) {command})",
+            f"subcommand: {command}  (last on the command line; without it torchtitan 0.3 checkpoints selectively)"]
+    return _comment(head) + [f"--{name}.{k} {shlex.quote(str(v))}" for name, fields in sections.items()
+                             for k, v in fields.items()]
+
+
+def torchtitan(s: Settings, version: TitanVersion = TitanVersion.V0_3) -> Export:
     plan = s.plan
     dp_fields, gaps = _titan_data_parallel(s)
-    pp_fields = _titan_pipeline(s)
+    pp_fields, pp_gaps = _titan_pipeline(s, version)
     parallelism = {**dp_fields, "tensor_parallel_degree": plan.llm.tp, "pipeline_parallel_degree": plan.llm.pp,
                    **pp_fields}
     local = s.micro_batch * plan.microbatches
     training = {"local_batch_size": local, "global_batch_size": local * s.dp}
-    gaps = _common_gaps(s, Target.TORCHTITAN) + gaps
+    gaps = _common_gaps(s, Target.TORCHTITAN) + gaps + pp_gaps
     if not s.fp32_grads:
         gaps.append("bf16 gradient reduction: torchtitan reduces gradients in float32")
     if plan.colocated:
@@ -299,27 +381,34 @@ def torchtitan(s: Settings) -> Export:
     else:
         gaps.append(f"disaggregated placement: the encoder's own {plan.encoder.gpus} GPUs "
                     f"({plan.encoder.describe()}) feeding the LLM's; torchtitan runs one model on one mesh")
-    sections = {"parallelism": parallelism, "training": training,
-                "activation_checkpoint": {"mode": s.recompute}}
-    head = [f"torchtitan job config fragment for the dflop plan [{plan.describe()}]",
-            f"({plan.llm.gpus} GPUs for the LLM; merge into your train config's TOML)"]
-    if pp_fields:
-        head.append("module_fqns_per_model_part uses the module names of torchtitan's llama3 and qwen3 models")
-    lines = _comment(head)
-    for name, fields in sections.items():
-        lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
-    tail = _gaps_comment(Target.TORCHTITAN, gaps) + _sampler_comment(
-        s, "dp_world_size", "dp_rank", "# return it from your TrainSpec's build_dataloader_fn(dp_world_size, dp_rank, ...)")
-    return Export(Target.TORCHTITAN, "\n".join(lines + [""] + _comment(tail)) + "\n", tuple(gaps))
+    sections = {"parallelism": parallelism, "training": training}
+    if version is TitanVersion.V0_2:
+        lines = _titan_toml(s, sections)
+        hook = "# return it from your TrainSpec's build_dataloader_fn(dp_world_size, dp_rank, ...)"
+    else:
+        lines = _titan_overrides(s, sections)
+        hook = "# return it from the build() of your trainer config's dataloader (called with dp_world_size, dp_rank)"
+    tail = _gaps_comment(Target.TORCHTITAN, gaps) + _sampler_comment(s, "dp_world_size", "dp_rank", hook)
+    return Export(Target.TORCHTITAN, "\n".join(lines + _comment(tail)) + "\n", tuple(gaps))
+
+
+def titan_version(value: str | TitanVersion) -> TitanVersion:
+    try:
+        return TitanVersion(str(value).strip())
+    except ValueError:
+        known = ", ".join(v.value for v in TitanVersion)
+        raise DflopError(f"--torchtitan-version {value}: unknown torchtitan version (known: {known})") from None
 
 
 def export_plan(plan: Plan, model: MLLMSpec, target: str | Target, *, global_batch: int,
-                training: TrainingSpec | None = None, cluster: ClusterSpec | None = None) -> Export:
+                training: TrainingSpec | None = None, cluster: ClusterSpec | None = None,
+                torchtitan_version: str | TitanVersion = TitanVersion.V0_3) -> Export:
     """The plan as ``target``'s launch arguments, with what the target cannot express (``cluster``:
-    where HSDP's shard groups end)."""
+    where HSDP's shard groups end; ``torchtitan_version``: which config surface to write for torchtitan)."""
     names = [t.value for t in Target]
     key = str(target).strip().lower()
     if key not in names:
         raise DflopError(f"--to {target}: unknown target (known: {', '.join(names)})")
+    version = titan_version(torchtitan_version)
     s = settings(plan, model, global_batch=global_batch, training=training, cluster=cluster)
-    return megatron(s) if key == Target.MEGATRON else torchtitan(s)
+    return megatron(s) if key == Target.MEGATRON else torchtitan(s, version)

@@ -3,8 +3,6 @@
 --tensor-model-parallel-size 4 \
 --pipeline-model-parallel-size 2 \
 --decoder-first-pipeline-num-layers 13 \
---encoder-tensor-model-parallel-size 1 \
---encoder-pipeline-model-parallel-size 1 \
 --micro-batch-size 10 \
 --global-batch-size 240 \
 --use-distributed-optimizer \
@@ -14,11 +12,11 @@
 #   - per-step balanced bins: Megatron-LM fills every microbatch with the same number of samples
 #     in arrival order; dflop's bins (LLM replica x microbatch) differ in size and are balanced on
 #     encoder and LLM work by dflop.schedule.sampler.BalancedBatchSampler (see the comment below)
-#   - disaggregated placement: the encoder flags exist in Megatron-LM core v0.13 and earlier
-#     (removed in v0.14), and there the encoder's stages join every LLM pipeline, with the LLM's
-#     data parallelism
-#   - encoder dp 8 differs from llm dp 3: Megatron gives the encoder the LLM's data parallelism (3
-#     x 1 encoder GPUs instead of 8)
+#   - disaggregated placement: the encoder's own 8 GPUs (tp1 pp1 dp8): Megatron-LM core v0.14 and
+#     later have no encoder parallelism flags and run the encoder in the first LLM pipeline stage,
+#     with llm tp 4 and dp 3 (core v0.13 and earlier took --encoder-tensor-model-parallel-size 1
+#     --encoder-pipeline-model-parallel-size 1, the encoder's stages joining every LLM pipeline
+#     with the LLM's data parallelism)
 #   - pipeline schedule ZBH1: Megatron-LM runs 1F1B (interleaved with virtual stages)
 #
 # dflop's balanced bins, in this framework's data loader:
