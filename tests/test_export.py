@@ -17,6 +17,7 @@ import json
 import re
 import shlex
 import sys
+import tomllib
 from collections import namedtuple
 from pathlib import Path
 from types import UnionType
@@ -34,10 +35,6 @@ from dflop.specs.loading import save_spec
 from dflop.specs.plan import ModulePlan, Plan
 from dflop.specs.run import load_run_config
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 GOLDEN = Path(__file__).parent / "golden" / "export"
 DATA = Path(__file__).parent / "data"

@@ -12,13 +12,16 @@ deterministic solvers are allowed here (``lpt``, ``kk``, ``sequential``,
 
 from __future__ import annotations
 
+import hashlib
 import threading
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 
 from dflop.errors import DflopError
+from dflop.schedule import padded
 from dflop.schedule.background import SchedulerError, check_bins
+from dflop.schedule.padded import BinCost
 from dflop.schedule.problem import PartitionProblem
 from dflop.schedule.solve import partition
 from dflop.specs import scheduling
@@ -80,6 +83,13 @@ class BalancedBatchSampler:
     when the tail has fewer samples than ranks do some ranks get an empty
     microbatch (a list with no index) for it.
 
+    ``bin_cost`` says what a microbatch costs the trainer: ``packed`` (the
+    default), the sum of its samples' ``costs``; ``padded``, its sample count
+    times its longest sample in LLM tokens (a trainer that pads every
+    microbatch to its longest), split by
+    :func:`dflop.schedule.padded.padded_partition` (``costs`` and ``solver``
+    then play no part).
+
     ``costs`` maps a global batch to one cost (or cost vector) per sample. Each
     partition may take ``deadline`` seconds; a solver still running then, or one
     whose answer leaves a sample out of the bins, raises a SchedulerError rather
@@ -91,7 +101,8 @@ class BalancedBatchSampler:
     def __init__(self, shapes: DataProfile | SampleTable | Callable[[int], Sample], *, global_batch: int,
                  dp_size: int, dp_rank: int, microbatches: int, dataset_size: int | None = None,
                  costs: Costs | None = None, solver: str = "lpt", seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = True, deadline: float = DEADLINE_S) -> None:
+                 drop_last: bool = True, deadline: float = DEADLINE_S,
+                 bin_cost: BinCost | str = BinCost.PACKED) -> None:
         self.global_batch = scheduling.whole_number(global_batch, "global_batch", 1)
         self.dp_size = scheduling.whole_number(dp_size, "dp_size", 1)
         self.microbatches = scheduling.whole_number(microbatches, "microbatches", 1)
@@ -101,6 +112,7 @@ class BalancedBatchSampler:
         self.seed = scheduling.whole_number(seed, "seed", 0)
         self.solver = scheduling.solver(solver).value
         self.deadline = scheduling.time_limit(deadline, "deadline")
+        self.bin_cost = padded.bin_cost(bin_cost)
         if self.solver not in DETERMINISTIC:
             raise DflopError(f"solver '{solver}' is not deterministic across ranks; use one of "
                              f"{', '.join(DETERMINISTIC)} (or AsyncScheduler with a channel)")
@@ -156,7 +168,21 @@ class BalancedBatchSampler:
         per_rank = self._microbatches(len(indices))
         slots = self.dp_size * per_rank
         bins = min(slots, len(indices))
-        batch = self.table.take(indices)
+        assignment, loads = self._assign(self.table.take(indices), bins)
+        # Bins dealt to ranks heaviest first, round-robin, so every rank's total is alike; a tail
+        # with fewer samples than ranks leaves the last ranks an empty microbatch.
+        ranked = np.argsort(-loads, kind="stable")
+        out: list[list[list[int]]] = [[] for _ in range(self.dp_size)]
+        for position in range(slots):
+            members = indices[assignment == ranked[position]].tolist() if position < bins else []
+            out[position % self.dp_size].append(members)
+        return out
+
+    def _assign(self, batch: SampleTable, bins: int) -> tuple[np.ndarray, np.ndarray]:
+        """(bin of every sample of ``batch``, cost of every bin) under this sampler's bin cost."""
+        if self.bin_cost is BinCost.PADDED:
+            assignment = padded.padded_partition(batch.llm_tokens, bins)
+            return assignment, padded.padded_loads(batch.llm_tokens, assignment, bins)
         problem = PartitionProblem(self._costs(batch), bins)
         result = _within(self.deadline, lambda: partition(problem, self.solver, seed=self.seed),
                          f"solver '{self.solver}'")
@@ -164,15 +190,7 @@ class BalancedBatchSampler:
             check_bins(result.assignment, len(batch), bins)
         except SchedulerError as exc:
             raise SchedulerError(f"solver '{self.solver}': {exc}") from None
-        loads = result.loads.max(axis=1)
-        # Bins dealt to ranks heaviest first, round-robin, so every rank's total is alike; a tail
-        # with fewer samples than ranks leaves the last ranks an empty microbatch.
-        ranked = np.argsort(-loads, kind="stable")
-        out: list[list[list[int]]] = [[] for _ in range(self.dp_size)]
-        for position in range(slots):
-            members = indices[result.assignment == ranked[position]].tolist() if position < bins else []
-            out[position % self.dp_size].append(members)
-        return out
+        return result.assignment, result.loads.max(axis=1)
 
     def _costs(self, batch: SampleTable) -> np.ndarray:
         try:
@@ -183,6 +201,29 @@ class BalancedBatchSampler:
             raise DflopError(f"costs: returned an array of shape {costs.shape} for a global batch of "
                              f"{len(batch)} samples; expected one cost or cost vector per sample")
         return costs
+
+    def state(self) -> dict[str, Any]:
+        """What fixes the microbatches of every rank (the rank itself is not in it), and the epoch.
+
+        A run resumed mid-epoch skips the microbatches it already trained, which is right only when
+        the resumed sampler yields the same ones: all of this but the epoch must be unchanged. The
+        data enters as its sample count and a hash of its shapes; a ``costs`` function cannot be
+        compared and is not in it."""
+        t = self.table
+        shapes = hashlib.sha256()
+        for column in (t.modality, t.tiles, t.text_tokens, t.image_tokens):
+            shapes.update(np.ascontiguousarray(column, dtype="<i8").tobytes())
+        return {"dp_size": self.dp_size, "microbatches": self.microbatches, "global_batch": self.global_batch,
+                "samples": len(t), "shapes": shapes.hexdigest()[:16], "seed": self.seed,
+                "shuffle": self.shuffle, "drop_last": self.drop_last, "bin_cost": self.bin_cost.value,
+                "solver": self.solver, "epoch": self.epoch}
+
+    def differences(self, saved: object) -> dict[str, tuple[Any, Any]]:
+        """What differs between ``saved`` (an earlier :meth:`state`) and this sampler, epoch aside:
+        key -> (saved value, this sampler's); a key that ``saved`` lacks differs (saved as None)."""
+        saved = saved if isinstance(saved, dict) else {}
+        return {key: (saved.get(key), value) for key, value in self.state().items()
+                if key != "epoch" and saved.get(key) != value}
 
     def __iter__(self) -> Iterator[list[int]]:
         for indices in self.global_batches():
