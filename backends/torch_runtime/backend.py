@@ -43,6 +43,7 @@ from dflop.trace.metrics import metrics
 from dflop.trace.record import record_graph_step
 
 from dflop.backends.torch_runtime import checkpoint
+from dflop.backends.torch_runtime.hf_checkpoint import check_checkpoint, open_checkpoint
 from dflop.backends.torch_runtime.progress import read_progress
 from dflop.backends.torch_runtime.worker import Payload, RankResult, TorchOptions, rank_entry, run_rank
 
@@ -142,6 +143,8 @@ class TorchBackend:
     def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
             meta: dict[str, Any] | None = None) -> BackendResult:
         refuse_unsupported(runner.plan, self.options)
+        if self.options.weights:  # before any rank starts: one line naming the tensor and the file
+            check_checkpoint(open_checkpoint(self.options.weights), runner.system.model)
         if under_torchrun():
             check_launch(runner.system.cluster, runner.plan.gpus,
                          torchrun_placement(self.options.device, self.options.timeout_s))
@@ -180,7 +183,7 @@ class TorchBackend:
         spec = config.execution
         before = self.options, self.folder, self.planned
         self.options = replace(self.options, **{f.name: getattr(spec, f.name) for f in fields(spec)},
-                             seed=config.seed, resume=resume)
+                             seed=config.seed, resume=resume, weights=config.checkpoint)
         self.folder, self.planned = folder, resume
         try:
             with _interruptible(folder, lambda: self.planned):
@@ -291,6 +294,7 @@ class TorchBackend:
             extra["predicted_trace"] = predicted.trace
         if self.keep_parameters:
             extra["parameters"] = {name: t for r in results.values() for name, t in r.parameters.items()}
+            extra["weights_read"] = {r.rank: r.weights_read for r in results.values()}
         return BackendResult(doc, metrics(doc), per_step, extra)
 
 

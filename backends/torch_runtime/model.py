@@ -140,7 +140,7 @@ class LLMStage(nn.Module):
         self.first, self.last = first, last
         self.embed = nn.Embedding(spec.vocab, spec.hidden) if first else None
         self.blocks = nn.ModuleDict({str(i): DecoderBlock(spec) for i in layers})
-        self.norm = RMSNorm(spec.hidden) if last else None
+        self.norm = RMSNorm(spec.hidden, spec.norm_eps) if last else None
         self.head = nn.Linear(spec.hidden, spec.vocab, bias=False) if last else None
         if spec.tie_embeddings and first and last:
             self.head.weight = self.embed.weight

@@ -18,6 +18,7 @@ from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module
 from dflop.workload.sample import SampleTable
 
+from dflop.backends.torch_runtime.hf_checkpoint import load_stages, open_checkpoint
 from dflop.backends.torch_runtime.model import build_stage, pack_sequence, sample_inputs
 from dflop.backends.torch_runtime.parallel import adamw_options
 from dflop.backends.torch_runtime.shapes import target_tokens
@@ -39,6 +40,8 @@ def reference_training(model: MLLMSpec, batches: list[SampleTable], options: Tor
     dtype = getattr(torch, options.dtype.value)
     encoder = build_stage(model, Module.ENCODER, 0, (model.encoder.layers,), options.seed).to(dtype)
     llm = build_stage(model, Module.LLM, 0, (model.llm.layers,), options.seed).to(dtype)
+    if options.weights:
+        load_stages(open_checkpoint(options.weights), [(Module.ENCODER, encoder), (Module.LLM, llm)])
     params = list(encoder.parameters()) + list(llm.parameters())
     optimizer = torch.optim.AdamW(params, **adamw_options(options))
     losses, largest = [], []

@@ -31,6 +31,7 @@ from dflop.specs.plan import Module, Plan, place
 from dflop.workload.sample import SampleTable
 
 from dflop.backends.torch_runtime import checkpoint
+from dflop.backends.torch_runtime.hf_checkpoint import load_stages, open_checkpoint
 from dflop.backends.torch_runtime.model import build_stage
 from dflop.backends.torch_runtime.progress import ProgressFile
 from dflop.backends.torch_runtime.recompute import block_runner
@@ -46,6 +47,9 @@ class TorchOptions(ExecutionSpec):
 
     seed: int = 0
     """Initial weights and synthetic inputs."""
+    weights: str = ""
+    """A Hugging Face checkpoint folder the initial weights come from instead of the seed (a run
+    config's ``model: {checkpoint: DIR}``); a plain LLM's encoder keeps its seeded weights."""
     checkpoint_dir: str = ""
     resume: bool = False
     """Continue from the newest complete checkpoint in checkpoint_dir that has steps left after it
@@ -81,6 +85,8 @@ class RankResult:
     """Per step: node times (node -> (start ns, end ns)), end ns, loss part, optimizer ns."""
     parameters: dict[str, Any] = field(default_factory=dict)
     """Full parameters at the end (only when asked, for tests)."""
+    weights_read: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """What this rank read from the checkpoint of ``TorchOptions.weights``: tensor name -> shape read."""
 
 
 def _stage_modules(plan: Plan, model: MLLMSpec, template: Template, worker: int, seed: int,
@@ -128,8 +134,13 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[RankState
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     mp = plan.module(gw.module)
     shards = shard_degree(plan, payload.gpus_per_node, mp.dp, mp.tp)
-    for module in list(stages.values()) + ([encoder] if encoder is not None else []):
+    ckpt = open_checkpoint(opts.weights) if opts.weights else None
+    read: dict[str, tuple[int, ...]] = {}
+    kinds = [template.module_stage(s)[0] for s in stages] + ([Module.ENCODER] if encoder is not None else [])
+    for kind, module in zip(kinds, list(stages.values()) + ([encoder] if encoder is not None else [])):
         tensor_parallel(module, tp_mesh, mp.tp)
+        if ckpt is not None:  # after TP (a rank reads its shards only), before FSDP (which shards what it read)
+            read.update(load_stages(ckpt, [(kind, module)]))
         module.run_block = block_runner(plan.recompute, splits_backward(plan.schedule))
         if plan.strategy.runs_as_fsdp2 and mp.dp > 1:
             fully_shard_stage(module, groups.fsdp_mesh(gw.module, shards),
@@ -137,7 +148,7 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[RankState
     worker = RankState(layout.worker, layout, stages, encoder, dp_mesh.get_group(), device, opts.seed,
                     model.encoder.image_size, model.llm.vocab, plan.strategy)
     optimizer = make_optimizer(worker.parameters(), plan.strategy, worker.dp_group, opts)
-    info = {"tied": tied, "gw": gw, "dtype": dtype}
+    info = {"tied": tied, "gw": gw, "dtype": dtype, "read": read}
     return worker, groups, template, optimizer, info
 
 
@@ -183,7 +194,7 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     named = named_parameters(worker.stages, worker.colocated_encoder, template)
     start = checkpoint.load(Path(opts.resume_from), named, optimizer)["step"] if opts.resume_from else 0
     folder = Path(opts.checkpoint_dir) if opts.checkpoint_dir else None
-    result = RankResult(rank, worker.graph_worker, worker.layout.tp_index, start)
+    result = RankResult(rank, worker.graph_worker, worker.layout.tp_index, start, weights_read=info["read"])
     model = payload.model
     progress = ProgressFile(Path(opts.progress_dir), rank) if opts.progress_dir else None
     for step in range(start, len(payload.batches)):

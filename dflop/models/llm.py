@@ -61,17 +61,18 @@ class DecoderBlock(nn.Module):
         self.heads = shard(spec.heads, tp, "attention heads")
         self.kv_heads = shard(spec.kv_heads, tp, "key-value heads")
         h, d = spec.hidden, spec.head_dim
-        self.norm1 = RMSNorm(h)
+        eps = spec.norm_eps
+        self.norm1 = RMSNorm(h, eps)
         self.q = nn.Linear(h, self.heads * d, bias=spec.qkv_bias)
         self.k = nn.Linear(h, self.kv_heads * d, bias=spec.qkv_bias)
         self.v = nn.Linear(h, self.kv_heads * d, bias=spec.qkv_bias)
         self.o = nn.Linear(self.heads * d, h, bias=spec.o_bias)
-        self.q_norm = RMSNorm(d) if spec.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(d) if spec.qk_norm else nn.Identity()
-        self.norm2 = RMSNorm(h)
+        self.q_norm = RMSNorm(d, eps) if spec.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(d, eps) if spec.qk_norm else nn.Identity()
+        self.norm2 = RMSNorm(h, eps)
         post = spec.layer_norms == 4
-        self.post_attention_norm = RMSNorm(h) if post else nn.Identity()
-        self.post_mlp_norm = RMSNorm(h) if post else nn.Identity()
+        self.post_attention_norm = RMSNorm(h, eps) if post else nn.Identity()
+        self.post_mlp_norm = RMSNorm(h, eps) if post else nn.Identity()
         ffn = shard(spec.ffn, tp, "MLP channels")
         self.gate = nn.Linear(h, ffn, bias=False)
         self.up = nn.Linear(h, ffn, bias=False)
@@ -97,7 +98,7 @@ class DecoderLLM(nn.Module):
         vocab = shard(spec.vocab, tp, "vocabulary entries")
         self.embed = nn.Embedding(vocab, spec.hidden)
         self.blocks = nn.ModuleList(DecoderBlock(spec, tp) for _ in range(layers or spec.layers))
-        self.norm = RMSNorm(spec.hidden)
+        self.norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.head = nn.Linear(spec.hidden, vocab, bias=False)
         if spec.tie_embeddings:
             self.head.weight = self.embed.weight

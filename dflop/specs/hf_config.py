@@ -214,9 +214,18 @@ def llm_from_hf_config(path: str | Path, name: str | None = None) -> LLMSpec:
         kv_heads=s.integer("num_key_value_heads", heads), ffn=s.integer("intermediate_size"),
         vocab=s.integer("vocab_size"), head_dim=head_dim,
         tie_embeddings=s.flag("tie_word_embeddings", family.tied), qkv_bias=bias or family.qkv_bias, o_bias=bias,
-        qk_norm=family.qk_norm, layer_norms=family.layer_norms, rope_theta=s.number("rope_theta", 1.0e4),
+        qk_norm=family.qk_norm, layer_norms=family.layer_norms, rope_theta=_rope_theta(s),
+        norm_eps=s.number("rms_norm_eps", 1e-6),
         max_position=s.integer("max_position_embeddings", 32768), source=f"{path}{note}",
     )
+
+
+def _rope_theta(s: _Section) -> float:
+    """``rope_theta``, or where transformers 5 writes it, ``rope_parameters.rope_theta``."""
+    rope = s.data.get("rope_parameters")
+    if s.data.get("rope_theta") is None and isinstance(rope, dict):
+        return _Section(s.path, rope, ".".join(p for p in (s.label, "rope_parameters") if p)).number("rope_theta")
+    return s.number("rope_theta", 1.0e4)
 
 
 def _vision_section(path: Path, data: dict) -> tuple[_Section, str]:

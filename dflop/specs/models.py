@@ -211,6 +211,9 @@ class LLMSpec:
     layer_norms: Literal[2, 4] = 2
     """RMSNorms of hidden width per layer: before attention and MLP (2), and after each (Gemma-2: 4)."""
     rope_theta: float = 1.0e6
+    norm_eps: float = field(default=1e-6, metadata=limit(high=1.0))
+    """The RMSNorms' epsilon (``rms_norm_eps``: Llama-3 ships 1e-5): no cost depends on it, but a
+    model run from a checkpoint computes what the checkpoint's own model computes only with it."""
     max_position: int = 32768
     source: str = ""
 
@@ -222,6 +225,7 @@ class LLMSpec:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
         require(self.heads % self.kv_heads == 0,
                 f"kv_heads: {self.kv_heads} does not divide heads {self.heads}")
+        require(self.norm_eps > 0, f"norm_eps: must be positive, got {self.norm_eps}")
 
     @property
     def q_dim(self) -> int:

@@ -18,7 +18,8 @@ from dflop.specs import scheduling
 from dflop.specs.execution import ExecutionSpec
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.limits import MAX_SAMPLES, MAX_SECONDS, MAX_STEPS
-from dflop.specs.loading import check_numbers, from_mapping, limit, load_yaml
+from dflop.errors import SpecError
+from dflop.specs.loading import at, check_numbers, child, from_mapping, limit, load_json, load_yaml, shown
 from dflop.specs.models import EncoderSpec, LLMSpec, MLLMSpec
 from dflop.specs.plan import Plan
 from dflop.specs.resolve import named_spec
@@ -73,6 +74,9 @@ class RunConfig:
     """Profile store folders (written by `dflop profile model`), used besides the shipped profiles."""
     execution: ExecutionSpec = field(default_factory=ExecutionSpec)
     """How the torch backend runs the plan (device, precision, optimizer, checkpoints)."""
+    checkpoint: str = ""
+    """A Hugging Face checkpoint folder whose weights the torch backend starts from; a config's
+    ``model: {checkpoint: DIR}`` sets it, and encoder and llm from the folder's config.json."""
 
     def __post_init__(self) -> None:
         check_numbers(self)
@@ -92,6 +96,8 @@ def _relative_to(folder: Path, data: object) -> object:
         return str(folder / value) if isinstance(value, str) and value and not Path(value).is_absolute() else value
 
     out = dict(data)
+    if isinstance(out.get("model"), dict) and isinstance(out["model"].get("checkpoint"), str):
+        out["model"] = {**out["model"], "checkpoint": resolve(out["model"]["checkpoint"])}
     for key in ("encoder", "llm"):
         if isinstance(out.get(key), str) and out[key].endswith(".json"):
             out[key] = resolve(out[key])
@@ -99,6 +105,30 @@ def _relative_to(folder: Path, data: object) -> object:
         out["data"] = {k: resolve(v) if k in ("dataset", "profile") else v for k, v in out["data"].items()}
     if isinstance(out.get("profiles"), list):
         out["profiles"] = [resolve(v) for v in out["profiles"]]
+    return out
+
+
+def _model_checkpoint(data: object, where: str) -> object:
+    """``model: {checkpoint: DIR}`` as the config's encoder and llm (the folder's config.json) and its
+    ``checkpoint``. A plain LLM's folder needs ``encoder:`` beside it: dflop plans a vision encoder
+    with every LLM (MLLMSpec), and that encoder's weights start from the seed."""
+    if not isinstance(data, dict) or "model" not in data:
+        return data
+    model, key = data["model"], child(where, "model")
+    if not isinstance(model, dict) or set(model) != {"checkpoint"} or not isinstance(model["checkpoint"], str):
+        raise SpecError(f"{at(key)}: expected a mapping with one key, checkpoint (a Hugging Face folder), "
+                        f"got {shown(model)}")
+    config = Path(model["checkpoint"]) / "config.json"
+    content = load_json(config)
+    vision = isinstance(content, dict) and "vision_config" in content
+    for name in ("llm", "checkpoint") + (("encoder",) if vision else ()):
+        if name in data:
+            raise SpecError(f"{at(child(where, name))}: give {name} or model.checkpoint, not both")
+    if not vision and "encoder" not in data:
+        raise SpecError(f"{at(key)}: {config} is a plain LLM (no vision_config): name the encoder dflop plans "
+                        "with it (encoder: PRESET; its weights start from the seed)")
+    out = {k: v for k, v in data.items() if k != "model"}
+    out.update(llm=str(config), checkpoint=model["checkpoint"], **({"encoder": str(config)} if vision else {}))
     return out
 
 
@@ -113,4 +143,5 @@ def load_run_config(path: str | Path | None = None, backend: str = "sim") -> Run
         name = DEFAULTS[backend]
         text = resources.files("dflop.specs").joinpath(name).read_text()
         return from_mapping(RunConfig, yaml.safe_load(text), f"{name}:", named_spec)
-    return from_mapping(RunConfig, _relative_to(Path(path).parent, load_yaml(path)), f"{path}:", named_spec)
+    data = _model_checkpoint(_relative_to(Path(path).parent, load_yaml(path)), f"{path}:")
+    return from_mapping(RunConfig, data, f"{path}:", named_spec)
