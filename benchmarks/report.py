@@ -111,7 +111,7 @@ def run_one(script: Path, results: Path, quick: bool) -> dict[str, Any]:
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=script.parent.parent, env=env)
     seconds = time.perf_counter() - start
     return {**_figures(out, name), "command": command, "returncode": proc.returncode, "seconds": round(seconds, 1),
-            "output": proc.stdout + (proc.stderr if proc.returncode else ""), "quick": quick}
+            "output": proc.stdout + (proc.stderr if proc.returncode else ""), "quick": quick, "ran": machine()}
 
 
 def _figures(path: Path, name: str) -> dict[str, Any]:
@@ -147,12 +147,15 @@ def _markdown_table(table: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def _section(r: dict[str, Any]) -> list[str]:
+def _section(r: dict[str, Any], where: dict[str, Any]) -> list[str]:
+    """A benchmark's section; one run apart from the report's (``--only``) says when and where it ran."""
     lines = [f"## {r['title']}", "", f"`{r['command']}`", ""]
     if "skipped" in r:
         return lines + [f"Skipped: {r['skipped']}.", ""]
     status = "" if r["returncode"] == 0 else f", **failed with exit status {r['returncode']}**"
-    lines += [f"{r['seconds']:.1f} s{status}", ""]
+    ran = r.get("ran", where)
+    other = ran["date"][:10] != where["date"][:10] or ran["uname"] != where["uname"]
+    lines += [f"{r['seconds']:.1f} s{status}" + (f", run apart: {ran['date']} on {ran['uname']}" if other else ""), ""]
     for table in r.get("tables", []):
         lines += _markdown_table(table)
     lines += [f"- {n}" for n in r.get("notes", [])] + ([""] if r.get("notes") else [])
@@ -171,9 +174,10 @@ def render(results: list[dict[str, Any]], where: dict[str, Any], gpu: list[str] 
     lines += [f"- date: {where['date']}", f"- machine: {where['uname']}, {where['cpus']} CPUs, "
               f"OMP_NUM_THREADS={where.get('omp_num_threads', 'unset')}",
               f"- Python {where['python']}, torch {where['torch']}",
-              "- every figure comes from the run below; ratios compare things measured in the same run", ""]
+              "- every figure comes from the run below, but for a section that names its own; ratios compare "
+              "things measured in the same run", ""]
     for r in results:
-        lines += _section(r)
+        lines += _section(r, where)
     lines += [f"{REPORT_START}\n{section}{REPORT_END}\n" for section in gpu]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -201,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"no benchmark named {', '.join(sorted(unknown))} in {args.benchmarks}")
         scripts = [s for s in scripts if s.stem in args.only]
     if not args.render_only:
-        (folder / "machine.json").write_text(json.dumps({**machine(), "quick": args.quick}, indent=1))
+        if not args.only or not (folder / "machine.json").exists():  # the report's own run: every benchmark
+            (folder / "machine.json").write_text(json.dumps({**machine(), "quick": args.quick}, indent=1))
         for script in scripts:
             (folder / f"{script.stem}.json").write_text(json.dumps(run_one(script, folder, args.quick), indent=1))
     results = [json.loads(p.read_text()) for p in sorted(folder.glob("bench_*.json"))]

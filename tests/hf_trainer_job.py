@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
-import tiny_llava
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # shared with bench_trainer
+import tiny_llava  # noqa: E402
 from dflop.integrations.collate import PaddedCollator
 from dflop.integrations.transformers import DflopTrainer
 

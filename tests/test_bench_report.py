@@ -75,3 +75,19 @@ def test_quick_report_is_labelled_and_skips_what_cannot_run_quick(tmp_path):
     again = subprocess.run([sys.executable, str(REPORT), "--render-only", "--benchmarks", str(tmp_path / "benches"),
                             "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and (out / "REPORT.md").read_text() == text  # from the JSON alone
+
+
+def test_a_benchmark_rerun_alone_keeps_the_reports_machine_and_names_its_own(tmp_path):
+    """`--only` reruns one benchmark into an existing report: the header's machine and date stay those of
+    the whole run, and that benchmark's section says when and where it ran instead."""
+    _, out = run(tmp_path)
+    assert "run apart" not in (out / "REPORT.md").read_text()  # every section from the report's own run
+    machine = json.loads((out / "results" / "machine.json").read_text())
+    machine["date"], machine["uname"] = "2020-01-01T00:00:00+00:00", "Elsewhere 1.0 x86_64"
+    (out / "results" / "machine.json").write_text(json.dumps(machine))
+    _, out = run(tmp_path, "--only", "bench_a")
+    report = (out / "REPORT.md").read_text()
+    assert json.loads((out / "results" / "machine.json").read_text()) == machine
+    assert "- date: 2020-01-01T00:00:00+00:00" in report
+    a = report.split("## Widgets per second")[1].split("## ")[0]
+    assert "run apart: " in a and "Elsewhere" not in a

@@ -3,8 +3,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
 
@@ -13,13 +15,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import DataCollatorWithFlattening, TrainingArguments
+from torch.utils.data import DataLoader, Sampler
+from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-import hf_trainer_job
-import tiny_llava
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # tiny_llava, shared with the bench
+import hf_trainer_job  # noqa: E402
+import tiny_llava  # noqa: E402
 from dflop.errors import DflopError
 from dflop.integrations.collate import PackedCollator, PaddedCollator
-from dflop.integrations.transformers import (CHECKPOINT_FILE, DflopTrainer, bin_cost_of, save_sampler_state,
+from dflop.integrations.transformers import (CHECKPOINT_FILE, DflopLoaderMixin, DflopTrainer, bin_cost_of,
+                                             save_sampler_state,
                                              trainer_sampler)
 from dflop.schedule.padded import BinCost, padded_loads, padded_partition
 from dflop.schedule.sampler import BalancedBatchSampler
@@ -29,6 +34,7 @@ from dflop.workload.data_profile import DataProfile
 
 SHAPES = profile_mix("llava-ov", 160, presets.encoder("siglip-so400m"), seed=2)
 JOB = Path(__file__).parent / "hf_trainer_job.py"
+BENCH = Path(__file__).parents[1] / "benchmarks" / "bench_trainer.py"
 
 
 def profile_of(size):
@@ -299,6 +305,127 @@ def test_bad_trainer_input_is_named(tmp_path, llava):
         trainer(tmp_path, llava, args={"per_device_train_batch_size": 16, "dataloader_drop_last": True})
 
 
+# ---- the LLaVA-NeXT recipe ----
+
+@dataclass
+class LLaVAArguments(TrainingArguments):
+    """LLaVA-NeXT's training arguments, the fields its trainer's hooks read."""
+    group_by_modality_length: bool = False
+    mm_projector_lr: float | None = None
+    save_only_adapter: bool = False  # stands for their should_only_save_mm_adapter(args)
+
+
+class LLaVADataset(torch.utils.data.Dataset):
+    """LLaVA-NeXT's LazySupervisedDataset as its trainer sees it: items and ``modality_lengths``
+    (the length, negative for a text-only sample)."""
+
+    def __init__(self, items):
+        self.items = items
+        self.modality_lengths = [len(i["input_ids"]) * (1 if "pixel_values" in i else -1) for i in items]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+class ModalityGrouped(Sampler):
+    """What LLaVA-NeXT's LengthGroupedSampler(group_by_modality=True) gives: indices in which every
+    run of ``batch_size`` holds one modality (here without its length sorting)."""
+
+    def __init__(self, batch_size, world_size, lengths):
+        self.batch_size, self.world_size, self.lengths = batch_size, world_size, lengths
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __iter__(self):
+        chunks = [c for sign in (1, -1) for group in [[i for i, n in enumerate(self.lengths) if n * sign > 0]]
+                  for c in np.array_split(group, max(1, len(group) // self.batch_size))]
+        return iter(int(i) for c in chunks for i in c)
+
+
+class LLaVATrainer(Trainer):
+    """A stand-in for LLaVA-NeXT's LLaVATrainer (llava/train/llava_trainer.py at df17966) with the
+    hooks the recipe meets: the same `_get_train_sampler` branch, its own `get_train_dataloader`,
+    `create_optimizer` with a projector learning rate and the adapter-only `_save_checkpoint`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+    def _get_train_sampler(self, train_dataset=None):
+        if self.args.group_by_modality_length:
+            return ModalityGrouped(self.args.train_batch_size,
+                                   self.args.world_size * self.args.gradient_accumulation_steps,
+                                   self.train_dataset.modality_lengths)
+        return super()._get_train_sampler(train_dataset)
+
+    def get_train_dataloader(self):
+        collator = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        return self.accelerator.prepare(DataLoader(self.train_dataset, batch_size=self._train_batch_size,
+                                                   collate_fn=collator, sampler=self._get_train_sampler(),
+                                                   drop_last=self.args.dataloader_drop_last))
+
+    def create_optimizer(self):
+        if self.optimizer is None:
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if "projector" not in n]},
+                      {"params": [p for n, p in named if "projector" in n], "lr": self.args.mm_projector_lr}]
+            self.optimizer = torch.optim.AdamW(groups, lr=self.args.learning_rate)
+        return self.optimizer
+
+    def _save_checkpoint(self, model, trial):
+        if not self.args.save_only_adapter:
+            return super()._save_checkpoint(model, trial)
+        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        projector = {n: p for n, p in self.model.named_parameters() if "projector" in n}
+        torch.save(projector, folder / "mm_projector.bin")
+
+
+class DflopLLaVATrainer(DflopLoaderMixin, LLaVATrainer):  # the recipe (docs/guide/trainers.md, LLaVA-NeXT)
+    """LLaVATrainer with dflop's bins in place of group_by_modality_length."""
+
+
+def llava_args(tmp_path, **options):
+    return LLaVAArguments(output_dir=str(tmp_path / "run"), **{
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "use_cpu": True, "report_to": "none",
+        "seed": 4, "group_by_modality_length": True, "remove_unused_columns": False, "disable_tqdm": True,
+        "mm_projector_lr": 1e-2, **options})
+
+
+def test_the_llava_next_recipe_trains_dflops_bins_in_place_of_group_by_modality_length(tmp_path, llava):
+    model, items = llava
+    data, args = LLaVADataset(items), llava_args(tmp_path)
+    ids = lambda loader: [batch["input_ids"].tolist() for batch in loader]
+    theirs = LLaVATrainer(model=model, args=args, train_dataset=data, data_collator=PaddedCollator())
+    assert {len(b) for b in ids(theirs.get_train_dataloader())} == {4}  # the stand-in's own path: fixed size
+    recipe = DflopLLaVATrainer(model=model, args=args, train_dataset=data, data_collator=PaddedCollator(),
+                               data_profile=tiny_llava.profile(items))
+    dflop = DflopTrainer(model=model, args=args, train_dataset=data, data_profile=tiny_llava.profile(items))
+    bins = ids(recipe.get_train_dataloader())
+    assert bins == ids(dflop.get_train_dataloader())  # dflop's bins, as DflopTrainer gives them
+    assert len({len(b) for b in bins}) > 1  # a variable number of samples: no sampler alone could give that
+
+
+def test_the_llava_next_recipe_keeps_their_optimizer_and_checkpoints_the_bins(tmp_path, llava):
+    model, items = llava
+    args = llava_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, save_only_adapter=True,
+                      logging_strategy="no")
+    recipe = DflopLLaVATrainer(model=tiny_llava.tiny_llava(), args=args, train_dataset=LLaVADataset(items),
+                               data_collator=PaddedCollator(), data_profile=tiny_llava.profile(items))
+    recipe.train()
+    assert recipe.optimizer.param_groups[1]["initial_lr"] == 1e-2  # their optimizer, with its projector group
+    folder = tmp_path / "run" / "checkpoint-2"
+    assert sorted(p.name for p in folder.iterdir()) == [CHECKPOINT_FILE, "mm_projector.bin"]
+    other = DflopLLaVATrainer(model=tiny_llava.tiny_llava(), args=llava_args(tmp_path, gradient_accumulation_steps=1),
+                              train_dataset=LLaVADataset(items), data_collator=PaddedCollator(),
+                              data_profile=tiny_llava.profile(items))
+    with pytest.raises(DflopError, match=f"{folder}: saved by a run with other bins \\(gradient_accumulation_steps"):
+        other.train(resume_from_checkpoint=True)
+
+
 # ---- a real 2-process Trainer job ----
 
 @pytest.mark.processes
@@ -326,3 +453,20 @@ def test_two_ranks_train_every_sample_once_across_a_mid_epoch_resume(tmp_path):
     for r in resumed:
         per_step[r["step"], r["rank"]] += 1
     assert per_step == {**{(s, k): 2 for s in (3, 4, 5) for k in (0, 1)}, (6, 0): 1, (6, 1): 1}
+
+
+@pytest.mark.processes
+def test_the_trainer_bench_measures_every_arm_and_dflops_ratio_to_it(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--json", str(out)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (table,) = json.loads(out.read_text())["tables"]
+    assert table["columns"][-2:] == ["dflop padded vs arm", "dflop packed vs arm"]
+    rows = {row[0]: row for row in table["rows"]}
+    assert list(rows) == ["default", "group_by_length", "token-budget", "dflop padded", "dflop packed"]
+    for arm, (_, steps, per_s, samples_per_s, *ratios) in rows.items():
+        assert steps >= 2 and per_s > 0 and samples_per_s > 0, arm
+        for column, ratio in zip(("dflop padded", "dflop packed"), ratios):
+            assert ratio == "-" if arm == column else re.fullmatch(r"\d+\.\d\dx \[[\d.]+-[\d.]+\]( \(none\)| \(slower\))?",
+                                                                    ratio), (arm, ratio)

@@ -2,7 +2,9 @@
 
 ``DflopTrainer`` is a ``transformers.Trainer`` whose training loader yields, on every rank, that
 rank's microbatches of :class:`dflop.schedule.sampler.BalancedBatchSampler`; everything else is
-the Trainer's. Why each piece sits where it does:
+the Trainer's. It is :class:`DflopLoaderMixin` over the Trainer; the mixin alone gives a Trainer
+subclass of one's own the same bins (LLaVA-NeXT's ``LLaVATrainer``: docs/guide/trainers.md). Why
+each piece sits where it does:
 
 - **One optimizer step is one global batch.** ``world x gradient_accumulation_steps`` microbatches
   hold ``world x accumulation x per_device_train_batch_size`` samples in all, so the optimizer sees
@@ -177,13 +179,16 @@ def _pad_id(processing_class: Any) -> int:
     return 0
 
 
-class DflopTrainer(Trainer):
-    """The Hugging Face Trainer with dflop's balanced microbatches (see the module notes).
+class DflopLoaderMixin:
+    """dflop's bins for any ``transformers.Trainer`` subclass: put it first among the bases,
+    ``class MyTrainer(DflopLoaderMixin, TheirTrainer)``, and pass ``data_profile=`` (and optionally
+    ``bin_cost=``) to the constructor; see :class:`DflopTrainer` for what they mean.
 
-    ``data_profile``: a DataProfile, or its path, whose sample i describes ``train_dataset[i]``.
-    ``bin_cost``: what a microbatch costs; by default from the collator (packed for
-    PackedCollator / DataCollatorWithFlattening, else padded). ``data_collator`` defaults to a
-    PaddedCollator with the processing class's pad token. Everything else as the Trainer.
+    It replaces the training loader (``get_train_dataloader``, so the trainer's own sampler, e.g.
+    LLaVA-NeXT's ``group_by_modality_length``, is no longer asked) and checks a checkpoint before
+    ``train`` resumes it; because it comes first in the method order, it wins over a
+    ``get_train_dataloader`` the trainer defines itself, which a sampler alone could not: the
+    microbatches hold a variable number of samples. The trainer's optimizer, saving and loop stay.
     """
 
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *,
@@ -191,7 +196,7 @@ class DflopTrainer(Trainer):
                  data_collator: Any = None, **kwargs: Any) -> None:
         if data_collator is None:
             data_collator = PaddedCollator(pad_token_id=_pad_id(kwargs.get("processing_class")))
-        super().__init__(model, args, data_collator=data_collator, **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         self.data_profile = load_profile(data_profile, self.train_dataset)
         self.bin_cost = bin_cost_of(self.data_collator) if bin_cost is None else padded.bin_cost(bin_cost)
         config = self.args.accelerator_config
@@ -223,3 +228,13 @@ class DflopTrainer(Trainer):
         if isinstance(checkpoint, (str, os.PathLike)) and not self.args.ignore_data_skip:
             check_checkpoint(sampler_for(self.args, self.data_profile, self.bin_cost), checkpoint)
         return super().train(checkpoint, *args, **kwargs)
+
+
+class DflopTrainer(DflopLoaderMixin, Trainer):
+    """The Hugging Face Trainer with dflop's balanced microbatches (see the module notes).
+
+    ``data_profile``: a DataProfile, or its path, whose sample i describes ``train_dataset[i]``.
+    ``bin_cost``: what a microbatch costs; by default from the collator (packed for
+    PackedCollator / DataCollatorWithFlattening, else padded). ``data_collator`` defaults to a
+    PaddedCollator with the processing class's pad token. Everything else as the Trainer.
+    """

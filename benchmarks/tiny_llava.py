@@ -1,5 +1,8 @@
 """A tiny LLaVA-OneVision that transformers builds from a config (SigLIP + Qwen2), and samples for it.
 
+Shared by bench_trainer.py and the Hugging Face Trainer tests (tests/test_integration_transformers.py,
+tests/hf_trainer_job.py), so that the bench trains the model the tests check.
+
 The image config is as simple as LLaVA-OneVision allows: 28-pixel images of 14-pixel patches and one
 grid pinpoint (28 x 28), so every image is one anyres tile plus the base tile. The number of image
 tokens a sample holds is what the model computes for its image size, asked of the model itself.
@@ -65,11 +68,13 @@ def dataset(model, n, seed=0):
 
 
 def profile(items):
-    """The data profile of ``items``: sample i describes item i."""
-    images = [len(item.get("image_sizes", [])) for item in items]  # single images only (dataset's)
+    """The data profile of ``items``: sample i describes item i (a single image is ``TILES`` tiles,
+    each image of a multi-image sample one tile, as :func:`sample` makes them)."""
+    images = [len(item.get("image_sizes", [])) for item in items]
+    modality = {0: Modality.TEXT, 1: Modality.IMAGE}
     image_tokens_ = [int((item["input_ids"] == IMAGE_TOKEN).sum()) for item in items]
     text = [len(item["input_ids"]) - k for item, k in zip(items, image_tokens_)]
     table = SampleTable.build([str(i) for i in range(len(items))],
-                              [(Modality.IMAGE if k else Modality.TEXT).code for k in images],
-                              [TILES * k for k in images], text, image_tokens_)
+                              [modality.get(k, Modality.MULTI_IMAGE).code for k in images],
+                              [TILES if k == 1 else k for k in images], text, image_tokens_)
     return DataProfile(table, {"kind": "test"})
