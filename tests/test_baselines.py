@@ -1,6 +1,8 @@
 """The baselines people run: their batching rules, their spaces inside dflop's, canonical plans, and a
 baseline space that fits nothing listed with its reason."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import yaml
@@ -12,8 +14,12 @@ from dflop.errors import InfeasibleError, PlanError, SpecError
 from dflop.plan.evaluate import PlanningProblem
 from dflop.plan.search import Optimizer, optimize
 from dflop.plan.space import BASELINES, DFLOP
-from dflop.schedule.batching import Batching, arrival, modality_length, synchronised, token_budget
+from dflop.schedule.batching import (Batching, arrival, dp_balanced, modality_length, packs_under, synchronised,
+                                     tightest_budget, token_budget, vpp_group)
+from dflop.timing.evaluate import evaluate
+from dflop.timing.steps import CostedPlan
 from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, from_mapping, presets, to_mapping
+from dflop.workload import profile_mix
 from dflop.workload.sample import SampleTable
 
 batches = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(1, 3000), st.integers(0, 9000)),
@@ -54,6 +60,92 @@ def test_rules_do_what_their_frameworks_do(batch, grid):
     tokens = batch.llm_tokens.astype(float)
     loads = np.bincount(token_budget(batch, replicas, m), weights=tokens, minlength=bins)
     assert loads.max() <= tokens.sum() / bins + tokens.max()  # the budget, plus at most one overflow
+
+
+def megatron_groups(seqlens, budget, dp, group):
+    """Megatron-LM's ``DpBalancedScheduler.get_groups_and_subsamples`` (NVIDIA/Megatron-LM a9381be5980c,
+    megatron/core/datasets/data_schedule.py) transcribed with context parallelism 1 and
+    ``microbatch_group_size_per_vp_stage`` ``group``: groups[i][j] are the samples of microbatch i on rank j."""
+    packed, single, total = [], [], 0
+    for i, n in enumerate(seqlens):
+        if total + n <= budget:
+            single.append(i)
+            total += n
+        else:
+            packed.append(single)
+            single, total = [i], n
+    if single:
+        packed.append(single)
+    multiple = dp * group
+    if len(packed) % multiple:
+        to_move, i = multiple - len(packed) % multiple, len(packed) - 1
+        while to_move > 0:
+            assert i > 0, "Not enough samples to move"
+            if len(packed[i]) > 1:
+                packed.append([packed[i].pop()])
+                to_move -= 1
+            else:
+                i -= 1
+    return [[packed[i * dp + j] for j in range(dp)] for i in range(len(packed) // dp)]
+
+
+@given(batches, grids, st.sampled_from([1, 2]))
+def test_dp_balanced_is_megatron_s_packing_under_the_tightest_budget(batch, grid, group):
+    """Every sample once; every rank the same number k of packs, its last k microbatches (the first m - k
+    empty), k in whole virtual-stage groups; no pack over the budget, which is no shorter than the longest
+    sample and one token less would not fit m microbatches per rank; the packs and their ranks Megatron's.
+    (Megatron balances ranks by giving each the same number of packs filled to the budget, not by summing
+    costs: that, and each rank's tokens within k budgets, is what it guarantees.)"""
+    replicas, m = grid[0], grid[1] * group
+    n, multiple = len(batch), grid[0] * group
+    if n < multiple:
+        return
+    a = dp_balanced(batch, replicas, m, group)
+    assert a.shape == (n,) and a.min() >= 0 and a.max() < replicas * m
+    counts = np.bincount(a, minlength=replicas * m).reshape(replicas, m)
+    k = int((counts[0] > 0).sum())
+    assert 1 <= k <= m and k % group == 0
+    assert ((counts > 0) == (np.arange(m) >= m - k)).all()
+    tokens = [int(t) for t in batch.llm_tokens]
+    most = min(m // group, n // multiple) * multiple
+    budget = tightest_budget(tokens, most)
+    assert budget >= max(tokens) and (budget == max(tokens) or len(packs_under(tokens, budget - 1)) > most)
+    assert np.bincount(a, weights=batch.llm_tokens, minlength=replicas * m).max() <= budget
+    try:
+        groups = megatron_groups(tokens, budget, replicas, group)
+    except AssertionError:  # Megatron gives up where only its first pack could give a sample; we let it
+        return
+    assert len(groups) == k
+    expected = np.empty(n, dtype=np.int64)
+    for i, ranks in enumerate(groups):
+        for j, members in enumerate(ranks):
+            expected[members] = j * m + m - k + i
+    assert (a == expected).all()
+
+
+@pytest.mark.parametrize("plan", [
+    Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(pp=4, dp=2), placement="colocated", microbatches=16),
+    Plan(encoder=ModulePlan(tp=2, dp=2), llm=ModulePlan(tp=2, pp=2, dp=2), placement="colocated", microbatches=16,
+         schedule="Interleaved1F1B", virtual_stages=2),
+    Plan(encoder=ModulePlan(tp=2, dp=2), llm=ModulePlan(pp=2, dp=2), placement="disaggregated", microbatches=16)],
+    ids=["1F1B", "interleaved", "encoder-stage"])
+def test_dp_balanced_steps_take_what_its_packs_take_on_as_many_microbatches(plan):
+    """A batch with fewer packs than the plan's microbatches leaves microbatches empty: they cost nothing
+    and, leading, leave the step to the nanosecond as a plan of k microbatches runs the same packs
+    (trailing ones would hold back the cooldown's backwards in 1F1B's fixed order)."""
+    model = presets.model("siglip-so400m", "qwen2.5-7b")
+    cluster = ClusterSpec(hardware=presets.hardware("h100"), nodes=1, gpus_per_node=8)
+    training = TrainingSpec(global_batch=32)
+    system = System(model, cluster, training, AnalyticalCostModel(model, cluster.hardware, training))
+    batch = profile_mix("video-heavy", 2000, model.encoder, seed=3).sample(32, np.random.default_rng(4), "x")
+    m, dp = plan.microbatches, plan.llm.dp
+    a = dp_balanced(batch, dp, m, vpp_group(plan))
+    k = int((np.bincount(a, minlength=dp * m)[:m] > 0).sum())
+    assert k < m  # some microbatches are empty
+    fewer = replace(plan, microbatches=k)
+    step = {p: evaluate(CostedPlan(p, system).step(0, batch, bins).timing).step_ns
+            for p, bins in ((plan, a), (fewer, (a // m) * k + a % m - (m - k)))}
+    assert step[plan] == step[fewer]
 
 
 def test_modality_length_ignores_image_tokens():

@@ -55,6 +55,7 @@ def test_optimize_simulate_and_plot(tmp_path):
     assert set(out) >= {"plan", "expected_step_time_s", "per_gpu_memory_gib", "alternatives", "baseline",
                         "speedup", "search_seconds", "pruning", "why"}
     assert out["per_gpu_memory_gib"] <= out["usable_memory_gib"] and out["speedup"] > 1
+    assert [b["space"] for b in out["baselines"] if b["batching"] == "dp-balanced"] == ["megatron"]
     assert yaml.safe_load(plan_file.read_text())["placement"] == out["plan"]["placement"]
     sim = dflop_json("simulate", "--config", config, "--plan", plan_file, "--steps", 2, "--out", tmp_path / "sim")
     assert sim["steps"] == 2 and sim["oom_events"] == 0
@@ -79,7 +80,8 @@ def test_run_compares_with_the_baseline(tmp_path):
         assert (tmp_path / "run" / path.split("/")[-1]).exists()
     # every (space, batching rule) with its plan or its reason; the speedup split into plan and balance gains
     assert {(b["space"], b["batching"]) for b in out["baselines"]} == {
-        (s, r) for s in ("megatron", "pytorch") for r in ("arrival", "modality-length", "token-budget")}
+        (s, r) for s in ("megatron", "pytorch") for r in ("arrival", "modality-length", "token-budget")} | {
+        ("megatron", "dp-balanced")}
     assert all(set(b) >= {"plan", "step_time_s", "mfu"} for b in out["baselines"])
     d = out["decomposition"]
     assert d["plan_gain"] * d["balance_gain"] == pytest.approx(out["speedup"])

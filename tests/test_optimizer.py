@@ -7,7 +7,7 @@ from dflop.cost import AnalyticalCostModel, System
 from dflop.errors import InfeasibleError
 from dflop.plan.evaluate import Estimate, PlanningProblem
 from dflop.plan.search import Optimizer, optimize
-from dflop.plan.space import DFLOP, MEGATRON, PYTORCH, SpaceBuilder
+from dflop.plan.space import DFLOP, MEGATRON, PYTORCH, Layers, SpaceBuilder
 from dflop.schedule.batching import Batching
 from dflop.plan.split import balanced_split
 from dflop.timing.steps import CostedPlan
@@ -103,12 +103,30 @@ def test_spaces_respect_topology_and_their_restrictions():
         assert any(a in mine for a in alike), plan.describe()
 
 
+def test_megatron_s_space_splits_layers_any_way_its_pipeline_layout_can():
+    """``--pipeline-model-parallel-layout`` gives every (virtual) stage its own layer count: the Megatron-style
+    space holds splits balanced by cost that are neither even nor a lighter first and last stage."""
+    problem = problem_for("siglip-so400m", "qwen2.5-7b", 16, 128)
+    builder = SpaceBuilder(problem, 128)
+    uneven = []
+    for options in builder.plans(MEGATRON, "colocated"):
+        plan = options[0]
+        stages, bin_samples = plan.llm.pp * plan.virtual_stages, 128 / plan.bins
+        first_last = builder.llm_split(plan.llm.tp, stages, bin_samples, plan.llm.tp, Layers.FIRST_LAST)
+        if plan.llm.layers_per_stage and plan.llm.layers_per_stage != first_last:
+            assert plan.llm.layers_per_stage == builder.llm_split(plan.llm.tp, stages, bin_samples, plan.llm.tp,
+                                                                  Layers.BALANCED)
+            uneven.append(plan)
+    assert uneven
+
+
 def test_speedup_is_against_the_strongest_baseline_and_decomposes():
     problem = problem_for("siglip-so400m", "qwen2.5-7b", 8, 64)
     result = optimize(problem, 64, first=2, most=2, noise=0.2)
     names = {(b.space, b.batching) for b in result.baselines}
     assert names == {(s, r) for s in ("megatron", "pytorch") for r in (Batching.ARRIVAL, Batching.MODALITY,
-                                                                        Batching.TOKENS)}
+                                                                        Batching.TOKENS)} | {
+        ("megatron", Batching.DP_BALANCED)}  # Megatron-LM's own packing, in its space only
     strongest = result.strongest
     assert strongest.best.mean == min(b.best.mean for b in result.found)
     assert result.speedup == pytest.approx(strongest.best.mean / result.best.mean)
@@ -122,8 +140,9 @@ def test_speedup_is_against_the_strongest_baseline_and_decomposes():
     assert error["sigma"] == 0.2 and error["speedup"] > 0
     assert error["plan_gain"] * error["balance_gain"] == pytest.approx(error["speedup"])
     json = result.to_json()
-    assert len(json["baselines"]) == 6 and all({"space", "batching", "plan", "step_time_s", "mfu"} <= set(b)
+    assert len(json["baselines"]) == 7 and all({"space", "batching", "plan", "step_time_s", "mfu"} <= set(b)
                                                 for b in json["baselines"])
+    assert [b["space"] for b in json["baselines"] if b["batching"] == "dp-balanced"] == ["megatron"]
     assert 0 < json["plan"]["mfu"] <= json["plan"]["hfu"] < 1
 
 

@@ -37,8 +37,8 @@ from dflop.program.actions import Kind
 from dflop.timing.evaluate import evaluate, summarize
 from dflop.timing.steps import CostedPlan
 from dflop.program.template import plan_groups
-from dflop.schedule.batching import CHUNKS, Batching, dispatch
-from dflop.schedule.heuristics import lpt
+from dflop.schedule.batching import CHUNKS, Batching, assign, dispatch, vpp_group
+from dflop.schedule.heuristics import lpt, repair
 from dflop.schedule.improve import improve
 from dflop.schedule.problem import Partition, PartitionProblem, finish
 from dflop.schedule.step import bin_batch, plan_costs
@@ -166,7 +166,7 @@ def quick(problem: PartitionProblem, start: np.ndarray | None = None) -> Partiti
     except InfeasibleError:
         if start is None:
             raise
-        first = np.asarray(start, dtype=np.int64).copy()
+        first = repair(problem, np.asarray(start, dtype=np.int64))  # a rule may leave bins empty
     assignment = improve(problem, first, target=target, max_rounds=problem.bins, every_partner=False)
     return finish(problem, assignment, "quick", time.perf_counter() - began, searched=True)
 
@@ -257,12 +257,12 @@ class Evaluator:
         if batching is Batching.BALANCED:
             cap = self.caps(plan)
             return float(cap[0]), float(cap[1])
-        key = (batching, plan.bins)
+        key = (batching, plan.bins) if batching in CHUNKS else (batching, *self._grid(plan))
         if key not in self._blind:
             tokens = tiles = 0.0
             for i in range(self.cap_batches):
                 b = self.pool[i]
-                a = self.chunks(batching, i, plan.bins)
+                a = self.rule_bins(batching, i, plan)
                 tokens = max(tokens, float(np.bincount(a, weights=b.llm_tokens, minlength=plan.bins).max()))
                 tiles = max(tiles, float(np.bincount(a, weights=b.tiles, minlength=plan.bins).max()))
             self._blind[key] = (tokens, tiles)
@@ -275,10 +275,19 @@ class Evaluator:
             self._rules[key] = CHUNKS[batching](self.pool[i], bins)
         return self._rules[key]
 
+    @staticmethod
+    def _grid(plan: Plan) -> tuple[int, int, int]:
+        return plan.llm.dp, plan.microbatches, vpp_group(plan)
+
     def rule_bins(self, batching: Batching, i: int, plan: Plan) -> np.ndarray:
         """Bins of pool batch i under a baseline rule, as ``bin_batch`` makes them (the rule's
-        chunks dealt to the plan's bin grid)."""
-        return dispatch(self.chunks(batching, i, plan.bins), plan.llm.dp, plan.microbatches)
+        chunks dealt to the plan's bin grid; a rule without chunks, once per grid)."""
+        if batching in CHUNKS:
+            return dispatch(self.chunks(batching, i, plan.bins), plan.llm.dp, plan.microbatches)
+        key = (batching, i, *self._grid(plan))
+        if key not in self._rules:
+            self._rules[key] = assign(batching, self.pool[i], *self._grid(plan))
+        return self._rules[key]
 
     # ---- lower bound ----------------------------------------------------------------------------
 

@@ -255,11 +255,11 @@ class Optimizer:
         return float(np.mean(whole)) / self.p.cluster.gpus
 
     def baselines(self, spaces: tuple[Space, ...], rules: tuple[Batching, ...]) -> tuple[list[Baseline], dict]:
-        """Every (baseline space, rule): its best plan, or why it has none; and each best plan timed
-        with dflop's bins."""
+        """Every (baseline space, rule of ``rules`` that its framework runs): its best plan, or why it
+        has none; and each best plan timed with dflop's bins."""
         out, stats = [], {}
         for space in spaces:
-            for rule in rules:
+            for rule in (r for r in rules if r in space.rules):
                 if self.late():
                     self.skipped.append(f"baseline {space.name} / {rule}")
                     out.append(Baseline(space.name, rule, None, None, "not searched: the deadline passed"))

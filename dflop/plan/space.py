@@ -11,10 +11,14 @@ one pipeline rank always runs 1F1B with one virtual stage.
   the first LLM stage with the LLM's TP, or in its own pipeline stages with
   its own TP (at most the LLM's) on every data-parallel replica
   (``--encoder-pipeline-model-parallel-size``, ``--encoder-tensor-model-parallel-size``):
-  a disaggregated plan whose encoder has the LLM's data parallelism. Layers
-  split evenly or with a lighter first and last stage
-  (``--decoder-first/last-pipeline-num-layers``); 1F1B or interleaved; DDP or
-  the distributed optimizer, both with fp32 gradient buffers.
+  a disaggregated plan whose encoder has the LLM's data parallelism (an encoder
+  sharing the first LLM stage has the LLM's TP: Megatron-LM asserts it, core_r0.10.0
+  ``arguments.py``). Layers split evenly, with a lighter first and last stage
+  (``--decoder-first/last-pipeline-num-layers``) or any way
+  (``--pipeline-model-parallel-layout``: layers per virtual stage; here balanced
+  by cost); 1F1B or interleaved; DDP or
+  the distributed optimizer, both with fp32 gradient buffers. Besides the three
+  rules every baseline space runs, Megatron-LM's own ``dp_balanced`` packing.
 - ``PYTORCH`` (FSDP2 / DeepSpeed, as torchtitan and LLaVA's trainer run them):
   one colocated stage, TP optional; DDP, ZeRO-2, FSDP (ZeRO-3) or HSDP.
 - ``DFLOP``: everything above, plus encoder and LLM planned independently on
@@ -41,6 +45,7 @@ from typing import Callable, Iterator
 from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.plan.split import balanced_split, first_last_split
 from dflop.program.schedules import ScheduleKind, schedule_kind, shape_problem
+from dflop.schedule.batching import Batching
 from dflop.specs.plan import Module, ModulePlan, Placement, Plan, Recompute, even_split
 
 PP_OPTIONS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -83,6 +88,8 @@ class Space:
     whole_rounds: bool = False
     """Several stages per rank only with microbatches in whole rounds of the pipeline ranks
     (Megatron-LM's rule); otherwise as the schedule's generator allows (torch's rules)."""
+    rules: tuple[Batching, ...] = (Batching.ARRIVAL, Batching.MODALITY, Batching.TOKENS)
+    """The batching rules its framework runs, as a baseline (dflop's space runs its own bins)."""
 
 
 def _kinds(*names: str) -> tuple[ScheduleKind, ...]:
@@ -93,8 +100,10 @@ DFLOP = Space("dflop", (Encoder.STAGE, Encoder.FREE),
               _kinds("1F1B", "ZBH1", "Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS", "ZBVZeroBubble",
                      "DualPipeV"),
               (Layers.EVEN, Layers.FIRST_LAST, Layers.BALANCED), (0, 1, 2, 3), True, (False, True))
-MEGATRON = Space("megatron", (Encoder.STAGE,), _kinds("1F1B", "Interleaved1F1B"), (Layers.EVEN, Layers.FIRST_LAST),
-                 (0, 1), False, (True,), whole_rounds=True)
+MEGATRON = Space("megatron", (Encoder.STAGE,), _kinds("1F1B", "Interleaved1F1B"),
+                 (Layers.EVEN, Layers.FIRST_LAST, Layers.BALANCED),
+                 (0, 1), False, (True,), whole_rounds=True,
+                 rules=(Batching.ARRIVAL, Batching.MODALITY, Batching.TOKENS, Batching.DP_BALANCED))
 PYTORCH = Space("pytorch", (), _kinds("1F1B"), (Layers.EVEN,), (0, 2, 3), True, (False, True), max_pp=1)
 BASELINES = (MEGATRON, PYTORCH)
 SPACES = {s.name: s for s in (DFLOP, *BASELINES)}

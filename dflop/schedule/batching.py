@@ -23,16 +23,42 @@ named here so that results can say which rule produced them.
   the bins (whatever fits nowhere goes to the lightest bin; a bin left empty
   takes the smallest sample of the fullest), bins handed out as ``MODALITY``
   hands out chunks.
+- ``DP_BALANCED``: Megatron-LM's ``dp_balanced`` sequence-packing scheduler
+  (``DpBalancedScheduler.get_groups_and_subsamples`` in
+  ``megatron/core/datasets/data_schedule.py``, NVIDIA/Megatron-LM commit
+  a9381be5980c, PR #6684). It packs the global batch's samples in their order
+  (Megatron's global ids: data-parallel rank by rank, each rank's samples in
+  its loader's order; we take the batch's own order, as a loader that hands
+  rank r the r-th slice gives it) until the next sample would pass the token
+  budget (``max_seqlen_per_dp_cp_rank``); then, while the number of packs is
+  not a multiple of the data-parallel size (times
+  ``microbatch_group_size_per_vp_stage`` with virtual stages, by default the
+  pipeline size), it moves the last sample of the last pack holding several
+  into a pack of its own at the end; pack j feeds rank j mod replicas at
+  micro-step j div replicas. What it balances is tokens (sequence lengths):
+  data-aware, model-blind. Every rank runs the same number k of packs; k varies
+  from batch to batch (Megatron returns it as the step's microbatch count).
+  A plan's ``microbatches`` m is the most a rank may run: each batch gets the
+  smallest budget, no shorter than its longest sample (Megatron's sequences
+  never pass it), whose packs fit m per rank, so a batch is packed as tightly
+  as the plan's microbatch count allows; a rank's k packs are its last k
+  microbatches and the first m - k are empty. An empty microbatch costs
+  nothing (no compute, no transfer), and leading ones leave every rank's
+  order timed as k microbatches would be (trailing ones would hold back
+  cooldown backwards in a fixed 1F1B order).
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
+from itertools import accumulate
 from enum import Enum
 from typing import Callable
 
 import numpy as np
 
+from dflop.errors import DflopError
 from dflop.specs.plan import Plan
 from dflop.workload.sample import SampleTable
 
@@ -43,6 +69,8 @@ class Batching(str, Enum):
     ARRIVAL = "arrival"
     MODALITY = "modality-length"
     TOKENS = "token-budget"
+    DP_BALANCED = "dp-balanced"
+    """Megatron-LM's ``dp_balanced`` packing: token-budget packs dealt round-robin to the ranks."""
 
     def __str__(self) -> str:
         return self.value
@@ -169,6 +197,76 @@ def token_budget(batch: SampleTable, replicas: int, microbatches: int) -> np.nda
     return dispatch(token_chunks(batch, replicas * microbatches), replicas, microbatches)
 
 
+def _ends(cum: list[int], budget: int, most: int | None = None) -> list[int]:
+    """Where each pack ends (``cum``: the samples' running token totals from 0), at most ``most``
+    + 1 of them."""
+    ends, start = [], 0
+    while start < len(cum) - 1 and (most is None or len(ends) <= most):
+        start = max(bisect_right(cum, cum[start] + budget) - 1, start + 1)  # a sample over it: alone
+        ends.append(start)
+    return ends
+
+
+def packs_under(tokens: list[int], budget: int) -> list[list[int]]:
+    """Megatron's packing before alignment: samples in order, each into the current pack while the
+    pack stays within ``budget`` tokens, else into a new one."""
+    ends = _ends(list(accumulate(tokens, initial=0)), budget)
+    return [list(range(a, b)) for a, b in zip([0] + ends, ends)]
+
+
+def tightest_budget(tokens: list[int], packs: int) -> int:
+    """The smallest budget, no shorter than the longest sample, under which Megatron's packing makes
+    at most ``packs`` packs (their number never grows with the budget: each pack starts no earlier)."""
+    cum = list(accumulate(tokens, initial=0))
+    lo, hi = max(max(tokens), -(-cum[-1] // packs)), cum[-1]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(_ends(cum, mid, packs)) <= packs:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def aligned(packs: list[list[int]], multiple: int) -> list[list[int]]:
+    """Megatron's alignment: while the number of packs is not a multiple of ``multiple``, the last
+    sample of the last pack that holds several moves into a pack of its own at the end (Megatron
+    asserts that this never reaches pack 0; here pack 0 may give too)."""
+    packs = [list(p) for p in packs]
+    i = len(packs) - 1
+    for _ in range(-len(packs) % multiple):
+        while len(packs[i]) == 1:
+            i -= 1
+        packs.append([packs[i].pop()])
+    return packs
+
+
+def dp_balanced(batch: SampleTable, replicas: int, microbatches: int, group: int = 1) -> np.ndarray:
+    """Megatron-LM's ``dp_balanced`` bins (see the module's docstring): packs in order under the
+    tightest budget that fits ``microbatches`` per rank, aligned to ``replicas x group``, pack j to
+    rank j mod replicas at microbatch m - k + j div replicas (k packs per rank, leading ones empty)."""
+    multiple = replicas * group
+    if len(batch) < multiple or microbatches < group:
+        raise DflopError(f"dp-balanced packing needs at least {multiple} samples and {group} microbatches "
+                         f"per rank (data parallelism {replicas} x virtual-stage group {group}); got "
+                         f"{len(batch)} samples and {microbatches} microbatches")
+    tokens = [int(t) for t in batch.llm_tokens]
+    most = min(microbatches // group, len(batch) // multiple) * multiple  # packs that fit, samples that fill
+    packs = aligned(packs_under(tokens, tightest_budget(tokens, most)), multiple)
+    skipped = microbatches - len(packs) // replicas
+    out = np.empty(len(batch), dtype=np.int64)
+    for j, members in enumerate(packs):
+        out[members] = (j % replicas) * microbatches + skipped + j // replicas
+    return out
+
+
+def vpp_group(plan: Plan) -> int:
+    """Megatron's ``microbatch_group_size_per_vp_stage`` (its default: the pipeline size) for a plan
+    with virtual stages whose microbatches come in whole groups; 1 otherwise."""
+    group = plan.llm.pp if plan.virtual_stages > 1 else 1
+    return group if plan.microbatches % group == 0 else 1
+
+
 def synchronised(plan: Plan, assignment: np.ndarray, costs: np.ndarray) -> np.ndarray:
     """dflop's bins re-slotted for a plan whose replicas meet before every op (ZeRO-3: each
     forward and backward starts with a gather over the replicas): microbatch k then costs its
@@ -194,7 +292,7 @@ def synchronised(plan: Plan, assignment: np.ndarray, costs: np.ndarray) -> np.nd
 
 Rule = Callable[[SampleTable, int, int], np.ndarray]
 RULES: dict[Batching, Rule] = {Batching.ARRIVAL: arrival, Batching.MODALITY: modality_length,
-                               Batching.TOKENS: token_budget}
+                               Batching.TOKENS: token_budget, Batching.DP_BALANCED: dp_balanced}
 """The data-blind (or cost-blind) rules of the baselines, by name."""
 CHUNKS: dict[Batching, Callable[[SampleTable, int], np.ndarray]] = {
     Batching.ARRIVAL: arrival_chunks, Batching.MODALITY: modality_chunks, Batching.TOKENS: token_chunks}
@@ -202,6 +300,10 @@ CHUNKS: dict[Batching, Callable[[SampleTable, int], np.ndarray]] = {
 depend on the number of bins alone, so a search over many bin grids cuts each batch once per count."""
 
 
-def assign(rule: Batching, batch: SampleTable, replicas: int, microbatches: int) -> np.ndarray:
-    """Bins of ``batch`` under a baseline ``rule`` (BALANCED is the scheduler's, not here)."""
-    return RULES[Batching(rule)](batch, replicas, microbatches)
+def assign(rule: Batching, batch: SampleTable, replicas: int, microbatches: int, group: int = 1) -> np.ndarray:
+    """Bins of ``batch`` under a baseline ``rule`` (BALANCED is the scheduler's, not here); ``group``
+    is ``vpp_group`` of the plan, which only ``DP_BALANCED`` reads."""
+    rule = Batching(rule)
+    if rule is Batching.DP_BALANCED:
+        return dp_balanced(batch, replicas, microbatches, group)
+    return RULES[rule](batch, replicas, microbatches)

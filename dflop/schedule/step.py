@@ -22,7 +22,7 @@ import numpy as np
 from dflop.cost.protocol import CostModel, StageSpec, WorkShape
 from dflop.cost.system import System
 from dflop.errors import DflopError
-from dflop.schedule.batching import Batching, assign, synchronised
+from dflop.schedule.batching import Batching, assign, synchronised, vpp_group
 from dflop.schedule.problem import Partition, PartitionProblem
 from dflop.schedule.slots import slot_bins
 from dflop.schedule.solve import partition
@@ -178,8 +178,8 @@ def bin_batch(batch: SampleTable, plan: Plan, system: System, batching: Batching
     run trains and what a study compares are the same bins."""
     if batching is not Batching.BALANCED:
         ids = tuple(str(i) for i in batch.ids)
-        return StepSchedule(ids, assign(batching, batch, plan.llm.dp, plan.microbatches), plan.llm.dp,
-                            plan.microbatches, order=str(batching))
+        return StepSchedule(ids, assign(batching, batch, plan.llm.dp, plan.microbatches, vpp_group(plan)),
+                            plan.llm.dp, plan.microbatches, order=str(batching))
     if costs is None:
         costs = plan_costs(batch, plan, system.model, system.cost)
     schedule = schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=time_limit, backend=backend,
