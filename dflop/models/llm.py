@@ -86,7 +86,7 @@ class DecoderBlock(nn.Module):
         q = rotary(self.q_norm(heads(self.q(a))), positions, self.spec.rope_theta)
         k = rotary(self.k_norm(heads(self.k(a))), positions, self.spec.rope_theta)
         v = heads(self.v(a))
-        x = x + self.post_attention_norm(self.o(varlen_attention(q, k, v, cu_seqlens, causal=True).reshape(t, -1)))
+        x = x + self.post_attention_norm(self.o(varlen_attention(q, k, v, cu_seqlens, causal=True).flatten(1)))
         m = self.norm2(x)
         return x + self.post_mlp_norm(self.down(F.silu(self.gate(m)) * self.up(m)))
 
