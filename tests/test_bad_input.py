@@ -509,3 +509,16 @@ def test_export_refuses_a_plan_that_cannot_run(tmp_path, plan, extra, message):
     assert_refused(ran, message)
     if not message.startswith("Invalid"):
         assert f"dflop: error: {path}:" in ran.stderr
+
+
+def test_a_saved_schedule_with_an_empty_bin_is_read_back_as_saved(tmp_path):
+    """Megatron's dp_balanced packing leaves bins empty and the torch backend runs them as nothing, so a
+    resume reads such a schedule back as it was saved (only a sample outside every bin is refused)."""
+    from dflop.jobs.resume import load_arm, read_run
+    from dflop.jobs.setup import setup
+
+    second = {**STEP, "assignment": [0, 0, 0, 0]}  # bin 1 empty
+    folder = resume_folder(tmp_path, steps=(STEP, second))
+    s = setup(tmp_path / "tiny.yaml", backend="torch", log=lambda _: None)
+    arm = load_arm("dflop", folder, s, read_run(folder))
+    assert [list(step.assignment) for step in arm.steps] == [[0, 1, 0, 1], [0, 0, 0, 0]]

@@ -273,7 +273,7 @@ def trained(folder, plan, steps):
 
 
 def differences(model, result, reference):
-    from dflop.backends.torch_runtime.reference import whole_model_name
+    from dflop.backends.torch_runtime.model import whole_model_name
 
     return max(float((t - reference.parameters[whole_model_name(n, model.llm.tie_embeddings)]).abs().max())
                for n, t in result.extra["parameters"].items())

@@ -5,12 +5,14 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dflop.backends import ScheduledBatch, get_backend
 from dflop.backends.torch_runtime.backend import RankFailed, TorchBackend
-from dflop.backends.torch_runtime.reference import reference_training, whole_model_name
+from dflop.backends.torch_runtime.model import whole_model_name
+from dflop.backends.torch_runtime.reference import reference_training
 from dflop.backends.torch_runtime.worker import TorchOptions
 from dflop.cost import System
 from dflop.cost.select import select_cost_model
@@ -325,3 +327,84 @@ def test_the_cost_model_s_targets_are_the_rows_the_backend_s_head_runs_on(sample
     ids = [torch.zeros(n, dtype=torch.long) for n in text]
     assert [len(pack_sequence([m], [t]).label_rows) for m, t in zip(image, ids)] == table.targets.tolist()
     assert len(pack_sequence(image, ids).label_rows) == table.targets.sum()
+
+
+RESHARDED = {  # plans a pp2 checkpoint continues under: other ranks hold other parts of every tensor
+    "dp2 ZeRO-1": Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated", microbatches=2, zero=1),
+    "tp2": Plan(encoder=ModulePlan(tp=2), llm=ModulePlan(tp=2), placement="colocated", microbatches=2),
+}
+
+
+@pytest.fixture(scope="module")
+def pp2_checkpoint(system, small_samples, tmp_path_factory):
+    """Three steps' batches and the checkpoints of a run of them under colocated pp2 (after step 2)."""
+    plan = PLANS["colocated pp2 1F1B"]
+    steps = scheduled(system, plan, small_samples, 3, seed=4)
+    folder = tmp_path_factory.mktemp("pp2") / "checkpoints"
+    options = TorchOptions(dtype="float64", lr=1e-2, checkpoint_every=2, checkpoint_dir=str(folder))
+    TorchBackend(options=options, predict=False).run(CostedPlan(plan, system), steps)
+    return [s.batch for s in steps], folder
+
+
+def rescheduled(system, plan, batches):
+    return [ScheduledBatch(b, schedule_batch(b, plan, costs=plan_costs(b, plan, system.model, system.cost),
+                                             solver="lpt").assignment) for b in batches]
+
+
+@pytest.mark.parametrize("name", list(RESHARDED))
+def test_a_checkpoint_continues_under_another_plan(system, pp2_checkpoint, name):
+    """DCP reshards a pp2 checkpoint onto the new plan's ranks: loaded (a run with no step left), their
+    parameters are the checkpoint's, exactly; the step after it (optimizer states resharded too)
+    ends where the single-process reference of all three steps ends."""
+    from dflop.backends.torch_runtime.hf_export import read_parameters
+
+    batches, folder = pp2_checkpoint
+    plan = RESHARDED[name]
+    saved = folder / "step-000002"
+    loaded = TorchBackend(options=TorchOptions(dtype="float64", resume_from=str(saved)), keep_parameters=True,
+                          predict=False).run(CostedPlan(plan, system), rescheduled(system, plan, batches[:2]))
+    whole = read_parameters(saved)
+    assert {whole_model_name(n, MODEL.llm.tie_embeddings) for n in loaded.extra["parameters"]} == set(whole)
+    assert all(torch.equal(t, whole[whole_model_name(n, MODEL.llm.tie_embeddings)])
+               for n, t in loaded.extra["parameters"].items())
+    options = TorchOptions(dtype="float64", lr=1e-2, checkpoint_every=2, checkpoint_dir=str(folder), resume=True)
+    resumed = TorchBackend(options=options, keep_parameters=True, predict=False).run(
+        CostedPlan(plan, system), rescheduled(system, plan, batches))
+    reference = reference_training(MODEL, batches, TorchOptions(dtype="float64", lr=1e-2))
+    assert resumed.extra["first_step"] == 2 and resumed.extra["losses"] == pytest.approx(reference.losses[2:], rel=1e-12)
+    assert max_difference(resumed.extra["parameters"], reference.parameters) < 1e-9
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"seed": 1}, r"step-000002/meta\.json: 'seed': this checkpoint was saved with 0, the run has 1$"),
+    ({"norm_eps": 1e-5}, r"step-000002/meta\.json: 'model\.llm\.norm_eps': this checkpoint was saved with 1e-06, "
+                         r"the run has 1e-05$"),
+])
+def test_a_checkpoint_of_another_seed_or_model_is_refused_before_any_rank_starts(system, pp2_checkpoint, change,
+                                                                                  message):
+    """Same shapes, so only the checkpoint's record can tell (a model of other numbers would load)."""
+    from dataclasses import replace
+
+    batches, folder = pp2_checkpoint
+    model = replace(MODEL, llm=replace(MODEL.llm, norm_eps=change.get("norm_eps", MODEL.llm.norm_eps)))
+    other = System(model, system.cluster, system.training, system.cost)
+    plan = RESHARDED["dp2 ZeRO-1"]
+    options = TorchOptions(dtype="float64", seed=change.get("seed", 0), checkpoint_every=2,
+                           checkpoint_dir=str(folder), resume=True)
+    with pytest.raises(DflopError, match=message):
+        TorchBackend(options=options, predict=False).run(CostedPlan(plan, other), rescheduled(system, plan, batches))
+
+
+def test_empty_microbatches_run_as_nothing_and_train_as_the_reference(system, small_samples):
+    """Megatron's dp_balanced packing leaves a rank's first microbatches empty when it has fewer packs
+    than the plan's count: a stage runs an empty microbatch (no token, no tile) as nothing, passes
+    nothing on, and the training is the reference's, in fp64."""
+    plan = Plan(encoder=ModulePlan(), llm=ModulePlan(pp=2, dp=2), placement="colocated", microbatches=3)
+    batch = small_samples.take(np.arange(8))
+    assignment = np.array([1, 1, 2, 2, 4, 5, 5, 5])  # replica 0: bin 0 empty; replica 1: bin 3 empty
+    options = TorchOptions(dtype="float64", lr=1e-2, seed=7)
+    result = TorchBackend(options=options, keep_parameters=True).run(CostedPlan(plan, system),
+                                                                    [ScheduledBatch(batch, assignment)])
+    reference = reference_training(MODEL, [batch], options)
+    assert max_difference(result.extra["parameters"], reference.parameters) < 1e-9
+    assert result.extra["losses"] == pytest.approx(reference.losses, rel=1e-12)

@@ -36,6 +36,7 @@ from dflop.errors import DflopError, remove_left_over
 from dflop.timing.steps import CostedPlan
 from dflop.specs.execution import Device, DType
 from dflop.specs.hardware import ClusterSpec
+from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Plan
 from dflop.specs.run import RunConfig
 from dflop.trace.chrome import COMPUTE, OPTIMIZER, TraceBuilder
@@ -139,6 +140,8 @@ class TorchBackend:
     checkpoints in ``checkpoints/<arm>`` there."""
     planned: bool = False
     """In a `dflop run`, whether it is planned (and saved: ``--resume`` can continue it)."""
+    model: MLLMSpec | None = None
+    """In a `dflop run`, its model: what a resume checks its checkpoints against."""
 
     def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
             meta: dict[str, Any] | None = None) -> BackendResult:
@@ -153,7 +156,7 @@ class TorchBackend:
             opts = replace(opts, checkpoint_dir=str(self.folder / "checkpoints" / (meta or {})["name"]))
         if opts.resume and opts.checkpoint_dir:
             found = checkpoint.resume_point(Path(opts.checkpoint_dir), len(steps),
-                                            checkpoint.identity(opts.seed, runner.plan))
+                                            checkpoint.identity(opts.seed, runner.system.model))
             opts = replace(opts, resume_from=str(found) if found is not None else "")
         with _progress_folder() as progress:
             opts = opts if opts.progress_dir else replace(opts, progress_dir=str(progress))
@@ -181,15 +184,15 @@ class TorchBackend:
                 dist.init_process_group("gloo" if config.execution.device is Device.CPU else "nccl",
                                         timeout=datetime.timedelta(seconds=config.execution.timeout_s))
         spec = config.execution
-        before = self.options, self.folder, self.planned
+        before = self.options, self.folder, self.planned, self.model
         self.options = replace(self.options, **{f.name: getattr(spec, f.name) for f in fields(spec)},
                              seed=config.seed, resume=resume, weights=config.checkpoint)
-        self.folder, self.planned = folder, resume
+        self.folder, self.planned, self.model = folder, resume, config.model
         try:
             with _interruptible(folder, lambda: self.planned):
                 yield
         finally:
-            self.options, self.folder, self.planned = before
+            self.options, self.folder, self.planned, self.model = before
 
     @property
     def calibrates(self) -> bool:
@@ -218,8 +221,8 @@ class TorchBackend:
         self.planned = True
         saved = self.folder / "checkpoints"
         if self.options.resume:
-            for name, plan in plans.items():
-                checkpoint.resume_point(saved / name, steps, checkpoint.identity(self.options.seed, plan))
+            for name in plans:
+                checkpoint.resume_point(saved / name, steps, checkpoint.identity(self.options.seed, self.model))
         else:
             _clear_checkpoints(saved, plans, log)
         if note := crowding(max(plan.gpus for plan in plans.values()), self.options.device):

@@ -1,14 +1,17 @@
 """Checkpoints with torch.distributed.checkpoint: model, optimizer, step and the run's seed.
 
-Tensors are keyed by their name in the whole model (``llm.s1.blocks.3.q.weight``),
-optimizer states by the parameter's name and the state's (``...q.weight::exp_avg``),
-so every rank saves what it holds (data-parallel replicas hold the same keys, and
-DCP writes each once; FSDP shards and ZeRO partitions are saved as they are) and
-loads back exactly what it holds. A checkpoint is complete only once its
+Tensors are keyed by their name in the whole model (``llm.blocks.3.q.weight``: no
+stage index, a layer keeps its global index, a tied head is the embedding), optimizer
+states by the parameter's key and the state's (``...q.weight::exp_avg``), so every rank
+saves what it holds (data-parallel replicas hold the same keys, and DCP writes each
+once; FSDP shards, tensor-parallel shards and ZeRO partitions are saved as they are)
+and loads back exactly what it holds. The keys are the same under every plan, so a
+checkpoint saved under one plan loads under another (pp2 -> dp2, tp2, ...): DCP
+reshards from each tensor's global shape. A checkpoint is complete only once its
 ``meta.json`` exists: it is written last, by rank 0, after everyone's data.
 
 A resume starts from a checkpoint the launcher has checked first (:func:`resume_point`:
-its ``meta.json`` agrees with its folder, the run's steps, seed and plan, and every data
+its ``meta.json`` agrees with its folder, the run's steps, seed and model, and every data
 file its index names is there, whole), so a damaged or foreign checkpoint is one line
 naming it before any rank starts; what only loading finds (a corrupt tensor, a model of
 another shape) is one line too, from the rank (torch raises ``CheckpointException``, a
@@ -17,6 +20,7 @@ another shape) is one line too, from the rank (torch raises ``CheckpointExceptio
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -26,8 +30,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dflop.errors import DflopError
-from dflop.specs.loading import load_json, save_json
-from dflop.specs.plan import Plan
+from dflop.specs.loading import first_difference, load_json, save_json, shown, to_mapping
+from dflop.specs.models import MLLMSpec
+
+from dflop.backends.torch_runtime.model import whole_model_name
 
 META = "meta.json"
 STEP = re.compile(r"step-(\d{6})")
@@ -54,21 +60,32 @@ def _materialise(optimizer: torch.optim.Optimizer) -> None:
                         "exp_avg_sq": torch.zeros_like(p)}
 
 
-def state_dict(named: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    names = {id(p): n for n, p in named.items()}
-    optim = {}
+def keyed(named: dict[str, nn.Parameter], tied: bool) -> dict[str, list[nn.Parameter]]:
+    """A rank's parameters (named as :func:`~dflop.backends.torch_runtime.worker.named_parameters`
+    names them) by checkpoint key; a tied embedding and head on one rank share a key (their values
+    are equal: one initial matrix, one summed gradient)."""
+    out: dict[str, list[nn.Parameter]] = {}
+    for name, p in named.items():
+        out.setdefault(whole_model_name(name, tied), []).append(p)
+    return out
+
+
+def state_dict(params: dict[str, list[nn.Parameter]], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What DCP saves and loads in place: one tensor a key (the first parameter holding it)."""
+    names = {id(p): k for k, ps in params.items() for p in ps}
+    optim: dict[str, Any] = {}
     for p, states in _owned_state(optimizer).items():
         for key, value in states.items():
-            optim[f"{names[id(p)]}::{key}"] = value
-    return {"model": {n: p.data for n, p in named.items()}, "optim": optim}
+            optim.setdefault(f"{names[id(p)]}::{key}", value)
+    return {"model": {k: ps[0].data for k, ps in params.items()}, "optim": optim}
 
 
-def save(folder: Path, step: int, named: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer,
+def save(folder: Path, step: int, params: dict[str, list[nn.Parameter]], optimizer: torch.optim.Optimizer,
          meta: dict[str, Any]) -> Path:
     import torch.distributed.checkpoint as dcp
 
     path = folder / f"step-{step:06d}"
-    dcp.save(state_dict(named, optimizer), checkpoint_id=str(path))
+    dcp.save(state_dict(params, optimizer), checkpoint_id=str(path))
     dist.barrier()
     if dist.get_rank() == 0:
         save_json(path / META, {**meta, "step": step})
@@ -76,10 +93,22 @@ def save(folder: Path, step: int, named: dict[str, nn.Parameter], optimizer: tor
     return path
 
 
-def identity(seed: int, plan: Plan) -> dict[str, Any]:
-    """What a checkpoint's ``meta.json`` holds besides its step, and a resume checks: the run's seed
-    and plan (a checkpoint of another cannot be loaded into this one, or trains another run)."""
-    return {"seed": seed, "plan": plan.describe()}
+def identity(seed: int, model: MLLMSpec) -> dict[str, Any]:
+    """What a resume checks in a checkpoint's ``meta.json`` (which also holds its step and the plan
+    it was saved under): the run's seed and model, its numbers (not the file they were read from).
+    A checkpoint of another model, or of another seed's run, trains another run; one of another
+    plan continues this one (the keys are plan-free, DCP reshards)."""
+    spec = json.loads(json.dumps(to_mapping(model)))
+    for part in spec.values():
+        if isinstance(part, dict):
+            part.pop("source", None)
+    return {"seed": seed, "model": spec}
+
+
+def newest(folder: Path) -> Path | None:
+    """The complete checkpoint (its ``meta.json`` written) of the most steps in ``folder``, if any."""
+    done = sorted(p for p in folder.glob("step-*") if STEP.fullmatch(p.name) and (p / META).is_file())
+    return done[-1] if done else None
 
 
 def resume_point(folder: Path, steps: int, expect: dict[str, Any]) -> Path | None:
@@ -99,7 +128,7 @@ def resume_point(folder: Path, steps: int, expect: dict[str, Any]) -> Path | Non
         done.append((step, path))
     usable = [path for step, path in done if step < steps]
     if usable:
-        _check_files(usable[-1])
+        check_files(usable[-1])
     return usable[-1] if usable else None
 
 
@@ -114,12 +143,13 @@ def _check_meta(path: Path, step: int, steps: int, expect: dict[str, Any]) -> No
     if not 1 <= step <= steps:
         raise DflopError(f"{path}: a checkpoint after step {step}, but the run has {steps} steps")
     for key, value in expect.items():
-        if meta.get(key) != value:
-            raise DflopError(f"{where}: {key!r}: this checkpoint was saved with {meta.get(key)!r}, "
-                             f"the run has {value!r}")
+        if found := first_difference(meta.get(key), value, key):
+            field, old, new = found
+            raise DflopError(f"{where}: {field!r}: this checkpoint was saved with {shown(old)}, "
+                             f"the run has {shown(new)}")
 
 
-def _check_files(path: Path) -> None:
+def check_files(path: Path) -> None:
     """The index (``.metadata``) is readable and every byte range it names lies in a file that is there."""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -129,7 +159,7 @@ def _check_files(path: Path) -> None:
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - a truncated or foreign file: pickle raises many kinds
-        raise DflopError(f"{index}: unreadable ({_reason(exc)})") from None
+        raise DflopError(f"{index}: unreadable ({reason(exc)})") from None
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
         raise DflopError(f"{index}: not a checkpoint's index (it names no data files)")
@@ -144,29 +174,30 @@ def _check_files(path: Path) -> None:
             raise DflopError(f"{data}: truncated: {data.stat().st_size} bytes, the checkpoint's index needs {size}")
 
 
-def load(path: Path, named: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load(path: Path, params: dict[str, list[nn.Parameter]], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException
 
     meta = load_json(path / META)
     _materialise(optimizer)
-    state = state_dict(named, optimizer)
+    state = state_dict(params, optimizer)
     try:
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a damaged checkpoint, or another model's
-        raise DflopError(f"{path}: cannot resume from this checkpoint ({_reason(exc)})") from None
+        raise DflopError(f"{path}: cannot resume from this checkpoint ({reason(exc)})") from None
     with torch.no_grad():
-        for n, p in named.items():
-            p.data.copy_(state["model"][n])
-    inner_state = _owned_state(optimizer)
-    names = {id(p): n for n, p in named.items()}
-    for p, states in inner_state.items():
+        for k, ps in params.items():
+            for p in ps:
+                p.data.copy_(state["model"][k])
+    names = {id(p): k for k, ps in params.items() for p in ps}
+    for p, states in _owned_state(optimizer).items():
         for key in states:
-            states[key] = state["optim"][f"{names[id(p)]}::{key}"]
+            loaded = state["optim"][f"{names[id(p)]}::{key}"]  # a tied pair's second holder: its own copy
+            states[key] = loaded if states[key] is loaded else loaded.clone()
     return meta
 
 
-def _reason(exc: BaseException) -> str:
+def reason(exc: BaseException) -> str:
     """What went wrong in a few words: the error's first sentence (torch's go on with advice that
     does not apply); for a CheckpointException, the first failing rank's own error (its message
     names the rank set and holds tracebacks)."""

@@ -53,6 +53,8 @@ PREFIXES = (
     ("model.", "llm."),
 )
 """Checkpoint name prefix -> canonical prefix; the first that matches wins (longest first)."""
+LLM_STYLE = {to: prefix for prefix, to in PREFIXES if prefix in ("model.", "lm_head.")}
+"""Canonical prefix -> the prefix a plain LLM checkpoint (Qwen2, Llama) writes for it."""
 TOP = {
     Module.LLM: {"embed.weight": "llm.embed_tokens.weight", "norm.weight": "llm.norm.weight",
                  "head.weight": "head.weight"},
@@ -87,6 +89,13 @@ def canonical(name: str) -> tuple[str, str, str]:
         if name.startswith(prefix):
             return to + name[len(prefix):], prefix, to
     return name, "", ""
+
+
+def checkpoint_name(name: str, style: dict[str, str]) -> str:
+    """A canonical name as a checkpoint writes it (``style``: canonical prefix -> its prefix), the
+    inverse of :func:`canonical` for that checkpoint."""
+    to = next((to for _, to in PREFIXES if to and name.startswith(to)), "")
+    return style.get(to, to) + name[len(to):]
 
 
 def parameter_name(module: Module, name: str, tied: bool) -> str:
@@ -125,8 +134,7 @@ class Checkpoint:
 
     def locate(self, name: str) -> tuple[str, Path]:
         if name not in self.tensors:
-            to = next((to for _, to in PREFIXES if to and name.startswith(to)), "")
-            expected = self.style.get(to, to) + name[len(to):]
+            expected = checkpoint_name(name, self.style)
             raise DflopError(f"{self.listing}: missing tensor '{expected}' (dflop's model needs it)")
         return self.tensors[name]
 

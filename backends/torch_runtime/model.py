@@ -37,6 +37,14 @@ def stable_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode()) & 0x7FFFFFFF
 
 
+def whole_model_name(name: str, tied: bool) -> str:
+    """``llm.s1.blocks.3.q.weight`` -> ``llm.blocks.3.q.weight``: the same name under every plan (a
+    layer keeps its global index); a tied head is the embedding."""
+    module, _, rest = name.split(".", 2)
+    out = f"{module}.{rest}"
+    return "llm.embed.weight" if tied and out == "llm.head.weight" else out
+
+
 def init_parameters(module: nn.Module, prefix: str, seed: int) -> None:
     """Weights N(0, 0.02), biases 0, norm scales 1, layer scales 0.1: each from (seed, full name)."""
     with torch.no_grad():

@@ -68,10 +68,3 @@ def reference_training(model: MLLMSpec, batches: list[SampleTable], options: Tor
     named = {f"encoder.{n}": p.detach().clone() for n, p in encoder.named_parameters()}
     named.update({f"llm.{n}": p.detach().clone() for n, p in llm.named_parameters()})
     return Reference(named, losses, largest)
-
-
-def whole_model_name(name: str, tied: bool) -> str:
-    """``llm.s1.blocks.3.q.weight`` -> ``llm.blocks.3.q.weight``; a tied head is the embedding."""
-    module, _, rest = name.split(".", 2)
-    out = f"{module}.{rest}"
-    return "llm.embed.weight" if tied and out == "llm.head.weight" else out

@@ -192,10 +192,12 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     rank = dist.get_rank()
     worker, groups, template, optimizer, info = _setup(payload, rank, device)
     named = named_parameters(worker.stages, worker.colocated_encoder, template)
-    start = checkpoint.load(Path(opts.resume_from), named, optimizer)["step"] if opts.resume_from else 0
+    model = payload.model
+    saved = checkpoint.keyed(named, model.llm.tie_embeddings)
+    start = checkpoint.load(Path(opts.resume_from), saved, optimizer)["step"] if opts.resume_from else 0
     folder = Path(opts.checkpoint_dir) if opts.checkpoint_dir else None
     result = RankResult(rank, worker.graph_worker, worker.layout.tp_index, start, weights_read=info["read"])
-    model = payload.model
+    meta = {**checkpoint.identity(opts.seed, model), "plan": payload.plan.describe()}
     progress = ProgressFile(Path(opts.progress_dir), rank) if opts.progress_dir else None
     for step in range(start, len(payload.batches)):
         batch, assignment = payload.batches[step], payload.assignments[step]
@@ -226,7 +228,7 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
         result.steps.append({"step": step, "nodes": {n: (marks[a], marks[b]) for n, a, b in run.times},
                              "optimizer": (marks[opt_start], marks[end]), "end": marks[end], "loss": run.loss})
         if folder is not None and opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
-            checkpoint.save(folder, step + 1, named, optimizer, checkpoint.identity(opts.seed, payload.plan))
+            checkpoint.save(folder, step + 1, saved, optimizer, meta)
     if keep_parameters:
         result.parameters = {n: _full(p).detach().cpu().clone() for n, p in named.items()}
     dist.barrier()

@@ -624,7 +624,28 @@ def plot_timeline(trace: Path, out: Path, compare: Path | None, step: int | str 
     emit(data, as_json, lambda r: f"timeline -> {r['out']} ({r['panels'][0]['title'].splitlines()[-1]})")
 
 
-@cli.command("export")
+class ExportForms(click.Group):
+    """`dflop export PLAN ...` (the plan form, whose first word is a file) and `dflop export checkpoint
+    RUN_DIR ...`: a first word that names no form is the plan form's PLAN."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+            args = ["plan", *args]
+        return super().parse_args(ctx, args)
+
+
+@cli.group("export", cls=ExportForms)
+def export_forms() -> None:
+    """Write a plan, or a run's trained weights, in another framework's terms.
+
+    \b
+    dflop export PLAN --to megatron|torchtitan   the plan as launch arguments (same as `export plan`)
+    dflop export checkpoint RUN_DIR --to hf --out DIR
+                                                 a torch run's last checkpoint as a Hugging Face folder
+    """
+
+
+@export_forms.command("plan")
 @click.argument("plan_path", metavar="PLAN", type=click.Path(path_type=Path))
 @click.option("--to", "target", type=click.Choice(["megatron", "torchtitan"], case_sensitive=False), required=True,
               help="megatron: Megatron-LM launch flags; torchtitan: its config overrides (see --torchtitan-version).")
@@ -657,6 +678,21 @@ def export(plan_path: Path, target: str, torchtitan_version: str, config: Path |
                          global_batch=global_batch or run_config.training.global_batch,
                          torchtitan_version=torchtitan_version)
     emit(result.as_dict(), as_json, lambda r: r["text"])
+
+
+@export_forms.command("checkpoint")
+@click.argument("run_dir", metavar="RUN_DIR", type=click.Path(path_type=Path))
+@click.option("--to", "target", required=True, metavar="hf",
+              help="hf: a Hugging Face folder (safetensors, config.json, the tokenizer and processor files of the "
+                   "checkpoint the run started from) that transformers' from_pretrained loads.")
+@click.option("--out", type=Output(folder=True), required=True, help="Folder to write (new or empty).")
+@json_option
+def export_checkpoint(run_dir: Path, target: str, out: Path, as_json: bool) -> None:
+    """Write the last checkpoint of a `dflop run --backend torch` (its dflop arm) as a Hugging Face folder."""
+    from dflop.jobs.export_checkpoint import export_checkpoint as export_run
+
+    result = export_run(run_dir, target, out)
+    emit(result, as_json, lambda r: f"step {r['step']} of {r['run']} -> {r['out']} ({', '.join(r['files'])})")
 
 
 # ---- entry point -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from dflop.backends.base import ScheduledBatch
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder, remove_left_over
 from dflop.schedule.batching import Batching
-from dflop.specs.loading import load_json, save_json, shown, to_mapping
+from dflop.specs.loading import first_difference, load_json, save_json, shown, to_mapping
 from dflop.specs.plan import Plan
 from dflop.specs.plan_file import PlanFile, PlannedCluster, load_plan, save_plan
 from dflop.specs.run import DEFAULTS, RunConfig
@@ -111,7 +111,8 @@ def load_arm(name: str, folder: Path, s: Setup, run: dict[str, Any]) -> Arm:
 
 def _read_step(path: Path, bins: int, global_batch: int) -> tuple[str, ScheduledBatch]:
     """(solver, scheduled batch) of one step file that :func:`save_arm` wrote: a global batch, each
-    sample in a bin, no bin empty (every scheduler fills each; a rank with nothing to run cannot step)."""
+    sample in a bin (a bin may be empty: Megatron's dp_balanced packing leaves some, and they run as
+    nothing)."""
     data = load_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("solver"), str) or "batch" not in data:
         raise DflopError(f"{path}: not a saved schedule (expected 'solver', 'batch' and 'assignment')")
@@ -123,9 +124,6 @@ def _read_step(path: Path, bins: int, global_batch: int) -> tuple[str, Scheduled
             or not all(type(a) is int and 0 <= a < bins for a in assignment):
         raise DflopError(f"{path}: 'assignment': expected a bin from 0 to {bins - 1} for each of the "
                          f"{len(batch)} samples")
-    empty = np.flatnonzero(np.bincount(np.array(assignment, dtype=np.int64), minlength=bins) == 0)
-    if len(empty):
-        raise DflopError(f"{path}: 'assignment': bin {int(empty[0])} of {bins} has no sample (each needs one)")
     return data["solver"], ScheduledBatch(batch, np.array(assignment, dtype=np.int64))
 
 
@@ -144,33 +142,25 @@ def _version() -> str:
 
 
 def run_record(s: Setup, steps: int) -> dict[str, Any]:
-    """What a resume must agree with besides the plans, keyed as the config names it: the model,
-    the data, the training (global batch), the seed, the steps, the cluster, how the ranks run
-    (device, precision, optimizer, checkpoints: all of execution but the timeout, which changes
-    no result), and the dflop that made the run."""
+    """What a resume must agree with besides the plans, keyed as the config names it: the model
+    (and the Hugging Face checkpoint it started from, if any: ``dflop export checkpoint`` writes
+    its trained weights back in that checkpoint's names), the data, the training (global batch),
+    the seed, the steps, the cluster, how the ranks run (device, precision, optimizer, checkpoints:
+    all of execution but the timeout, which changes no result), and the dflop that made the run."""
     c, e = s.config, s.config.execution
     data = to_mapping(c.data)
     for key in ("dataset", "profile"):  # the same file, however the config named it
         data[key] = str(Path(data[key]).resolve()) if data[key] else ""
+    start = {"checkpoint": str(Path(c.checkpoint).resolve())} if c.checkpoint else {}  # what export writes back to
     return plain({"dflop_version": _version(), "encoder": c.encoder, "llm": c.llm, "data": data,
                    "training": c.training, "seed": c.seed, "steps": steps,
                    "cluster": PlannedCluster.of(s.system.cluster),
-                   "execution": {f.name: getattr(e, f.name) for f in fields(e) if f.name != "timeout_s"}})
-
-
-def _difference(old: Any, new: Any, path: str) -> tuple[str, Any, Any] | None:
-    """The first field (dotted path) where two records differ, with both values."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        for key in list(old) + [k for k in new if k not in old]:
-            if found := _difference(old.get(key), new.get(key), f"{path}.{key}"):
-                return found
-        return None
-    return None if old == new else (path, old, new)
+                   "execution": {f.name: getattr(e, f.name) for f in fields(e) if f.name != "timeout_s"}, **start})
 
 
 def _agree(folder: Path, field: str, recorded: Any, current: Any, says: str) -> None:
     """Refuse, naming the field, a value that contradicts the run's record."""
-    if found := _difference(recorded, plain(current), field):
+    if found := first_difference(recorded, plain(current), field):
         path, old, new = found
         raise DflopError(f"{folder / RUN_FILE}: {path}: the run was made with {shown(old)}, but {says} "
                          f"{shown(new)} (resume with what the run was made with)")

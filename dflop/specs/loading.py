@@ -378,6 +378,17 @@ def to_mapping(obj: Any) -> Any:
     return obj
 
 
+def first_difference(old: Any, new: Any, path: str) -> tuple[str, Any, Any] | None:
+    """The first field (dotted path) where two plain records differ, with both values: what an
+    error names when a saved record and the current one disagree."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in list(old) + [k for k in new if k not in old]:
+            if found := first_difference(old.get(key), new.get(key), f"{path}.{key}"):
+                return found
+        return None
+    return None if old == new else (path, old, new)
+
+
 def load_spec(cls: type[T], path: str | Path, key: str | None = None, resolve: Resolve | None = None) -> T:
     """Load a spec from a YAML file (optionally from one top-level key); ``resolve`` as in from_mapping."""
     data = load_yaml(path)
