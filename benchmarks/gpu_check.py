@@ -452,7 +452,8 @@ def torch_backend(c: Check) -> dict[str, Any]:
     if not c.target.dry:
         encoder, llm = replace(encoder, layers=TORCH_LAYERS["encoder"]), replace(llm, layers=TORCH_LAYERS["llm"])
     model = MLLMSpec(encoder=encoder, llm=llm)
-    training = TrainingSpec(global_batch=8, activation_bytes=2 if c.target.dtype != "float32" else 4)
+    # the dry run tests the plumbing: the fewest samples and steps that still measure one step after a warm-up
+    training = TrainingSpec(global_batch=4 if c.target.dry else 8, activation_bytes=2 if c.target.dtype != "float32" else 4)
     cluster = ClusterSpec(hardware=hardware, nodes=1, gpus_per_node=1)
     profiled, note = select_cost_model(model, hardware, training, [c.store])
     refit_curve = c.results.get("analytical", {}).get("fitted_efficiency")
@@ -471,7 +472,7 @@ def torch_backend(c: Check) -> dict[str, Any]:
         stream = batches(data, training.global_batch, seed=1)
         steps = [ScheduledBatch(b, bin_batch(b, plan, system, costs=plan_costs(b, plan, model, profiled),
                                              solver="greedy", time_limit=0.2).assignment)
-                 for b in (next(stream) for _ in range(4))]
+                 for b in (next(stream) for _ in range(2 if c.target.dry else 4))]
         result = TorchBackend(options=options).run(CostedPlan(plan, system), steps)
         measured = [s["graph_s"] for s in result.steps[1:]]
         row = {"plan": plan.describe(), "measured_s": float(np.median(measured)), "steps_s": measured,

@@ -42,6 +42,7 @@ from dflop.specs.run import RunConfig
 from dflop.trace.chrome import COMPUTE, OPTIMIZER, TraceBuilder
 from dflop.trace.metrics import metrics
 from dflop.trace.record import record_graph_step
+from dflop.workload.chat import encode_dataset, load_chat
 
 from dflop.backends.torch_runtime import checkpoint
 from dflop.backends.torch_runtime.hf_checkpoint import check_checkpoint, open_checkpoint
@@ -142,6 +143,10 @@ class TorchBackend:
     """In a `dflop run`, whether it is planned (and saved: ``--resume`` can continue it)."""
     model: MLLMSpec | None = None
     """In a `dflop run`, its model: what a resume checks its checkpoints against."""
+    dataset: str = ""
+    """The manifest whose conversations the ranks train on, rendered and tokenized by the checkpoint
+    (``options.weights``); empty: synthetic inputs. A `dflop run` sets it where the config trains
+    on real samples (``RunConfig.real_samples``)."""
 
     def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
             meta: dict[str, Any] | None = None) -> BackendResult:
@@ -158,14 +163,25 @@ class TorchBackend:
             found = checkpoint.resume_point(Path(opts.checkpoint_dir), len(steps),
                                             checkpoint.identity(opts.seed, runner.system.model))
             opts = replace(opts, resume_from=str(found) if found is not None else "")
+        texts = None
+        if self.dataset:  # tokenized here, ahead of every step; a sample that fails is refused before any rank starts
+            texts = encode_dataset(self.dataset, runner.system.model.encoder, load_chat(self.options.weights),
+                                   [s.batch for s in steps])
         with _progress_folder() as progress:
             opts = opts if opts.progress_dir else replace(opts, progress_dir=str(progress))
             payload = Payload(runner.plan, runner.system.model, [s.batch for s in steps],
-                              [np.asarray(s.assignment) for s in steps], opts, runner.system.cluster.gpus_per_node)
+                              [np.asarray(s.assignment) for s in steps], opts, runner.system.cluster.gpus_per_node,
+                              texts)
             results = self._launch(payload, Path(opts.progress_dir))
         if results is None:  # a rank other than 0 under torchrun: rank 0 reports
             return BackendResult({}, metrics({"traceEvents": []}), [], {"rank": int(os.environ["RANK"])})
         return self._report(runner, steps, results, observe, meta)
+
+    def inputs(self) -> str:
+        """What the ranks train on, as the report names it."""
+        if self.dataset:
+            return f"real samples: {self.dataset}, chat template and tokenizer of {self.options.weights}"
+        return "synthetic: token ids and pixels drawn from each sample's id, shaped by the data profile"
 
     # ---- a whole run: torchrun's process group, rank 0 plans and reports, signals -------------------
 
@@ -184,15 +200,16 @@ class TorchBackend:
                 dist.init_process_group("gloo" if config.execution.device is Device.CPU else "nccl",
                                         timeout=datetime.timedelta(seconds=config.execution.timeout_s))
         spec = config.execution
-        before = self.options, self.folder, self.planned, self.model
+        before = self.options, self.folder, self.planned, self.model, self.dataset
         self.options = replace(self.options, **{f.name: getattr(spec, f.name) for f in fields(spec)},
                              seed=config.seed, resume=resume, weights=config.checkpoint)
         self.folder, self.planned, self.model = folder, resume, config.model
+        self.dataset = config.data.dataset if config.real_samples else ""
         try:
             with _interruptible(folder, lambda: self.planned):
                 yield
         finally:
-            self.options, self.folder, self.planned, self.model = before
+            self.options, self.folder, self.planned, self.model, self.dataset = before
 
     @property
     def calibrates(self) -> bool:
@@ -284,13 +301,15 @@ class TorchBackend:
             graph_ns = max(r.steps[i - first]["optimizer"][0] for r in results.values())
             optimizer_ns = max(b - a for a, b in (r.steps[i - first]["optimizer"] for r in results.values()))
             per_step.append({"step": i, "step_s": step_ns / 1e9, "graph_s": graph_ns / 1e9,
-                             "optimizer_s": optimizer_ns / 1e9, "compute_s": compute_end / 1e9, "loss": loss})
+                             "optimizer_s": optimizer_ns / 1e9, "compute_s": compute_end / 1e9, "loss": loss,
+                             "sample_ids": [str(x) for x in steps[i].batch.ids]})
             if observe is not None:
                 observe(ObservedStep(step, start, end))
             offset += step_ns
         doc = trace.document()
         extra: dict[str, Any] = {"losses": [s["loss"] for s in per_step], "first_step": first,
-                                 "device": str(self.options.device)}
+                                 "device": str(self.options.device), "inputs": self.inputs(),
+                                 "trained": [{k: s[k] for k in ("step", "loss", "sample_ids")} for s in per_step]}
         if self.predict:
             predicted = get_backend("sim", memory=False).run(runner, list(steps)[first:])
             extra["predicted_step_time_s"] = [s["step_s"] for s in predicted.steps]

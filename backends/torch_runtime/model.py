@@ -29,6 +29,7 @@ from dflop.models.llm import DecoderBlock, RMSNorm, wide
 from dflop.models.vit import PatchEmbed, Projector, VisionBlock
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module
+from dflop.workload.chat import Encoded
 
 from dflop.backends.torch_runtime.recompute import BlockRunner
 
@@ -120,18 +121,21 @@ class Sequence:
     labels: torch.Tensor
 
 
-def pack_sequence(image_tokens: list[int], text: list[torch.Tensor]) -> Sequence:
+def pack_sequence(image_tokens: list[int], text: list[torch.Tensor],
+                  targets: list[np.ndarray] | None = None) -> Sequence:
     """Each sample is its image tokens then its text tokens; a text token is predicted from the
-    position before it (the last image token for the first text token)."""
+    position before it (the last image token for the first text token). With ``targets`` (a bool
+    per text token of each sample: real samples' assistant tokens) only those are predicted."""
     img, txt, lab_rows, labels = [], [], [], []
     offset = 0
-    for m, tokens in zip(image_tokens, text):
+    for s, (m, tokens) in enumerate(zip(image_tokens, text)):
         n = len(tokens)
         img.append(np.arange(offset, offset + m))
         txt.append(np.arange(offset + m, offset + m + n))
         first = 0 if m > 0 else 1
-        lab_rows.append(np.arange(offset + m + first - 1, offset + m + n - 1))
-        labels.append(tokens[first:])
+        predicted = np.arange(first, n) if targets is None else first + np.flatnonzero(targets[s][first:])
+        lab_rows.append(offset + m + predicted - 1)
+        labels.append(tokens[torch.from_numpy(predicted)])
         offset += m + n
     cat = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64)) if parts else torch.zeros(0, dtype=torch.long)  # noqa: E731
     return Sequence([m + len(t) for m, t in zip(image_tokens, text)], cat(img), cat(txt), cat(lab_rows),
@@ -177,10 +181,14 @@ class LLMStage(nn.Module):
 
 
 def sample_inputs(seed: int, sample_id: str, tiles: int, text_tokens: int, image_size: int, vocab: int,
-                  need_pixels: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(pixels (tiles, 3, size, size) or None, text token ids) of one sample, from its id."""
+                  need_pixels: bool = True, text: dict[str, Encoded] | None = None,
+                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(pixels (tiles, 3, size, size) or None, text token ids) of one sample, from its id: its real
+    tokens where ``text`` has them (by id), else synthetic ones drawn from the id."""
     g = torch.Generator().manual_seed(stable_seed(seed, f"sample:{sample_id}"))
     tokens = torch.randint(0, vocab, (int(text_tokens),), generator=g)
+    if text is not None:  # (after the draw: the pixels stay those of the id)
+        tokens = torch.from_numpy(text[sample_id].ids)
     pixels = torch.randn(int(tiles), 3, image_size, image_size, generator=g) if need_pixels else None
     return pixels, tokens
 

@@ -16,6 +16,7 @@ import torch
 from dflop.models.llm import pack
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module
+from dflop.workload.chat import Encoded
 from dflop.workload.sample import SampleTable
 
 from dflop.backends.torch_runtime.hf_checkpoint import load_stages, open_checkpoint
@@ -35,8 +36,10 @@ class Reference:
     """Per step, the largest gradient element in magnitude: the scale rounding errors are measured against."""
 
 
-def reference_training(model: MLLMSpec, batches: list[SampleTable], options: TorchOptions) -> Reference:
-    """The sequential run of ``batches`` in one process."""
+def reference_training(model: MLLMSpec, batches: list[SampleTable], options: TorchOptions,
+                       texts: list[dict[str, Encoded]] | None = None) -> Reference:
+    """The sequential run of ``batches`` in one process; with ``texts`` (each step's real samples by
+    id), on their tokens and targets."""
     dtype = getattr(torch, options.dtype.value)
     encoder = build_stage(model, Module.ENCODER, 0, (model.encoder.layers,), options.seed).to(dtype)
     llm = build_stage(model, Module.LLM, 0, (model.llm.layers,), options.seed).to(dtype)
@@ -45,21 +48,24 @@ def reference_training(model: MLLMSpec, batches: list[SampleTable], options: Tor
     params = list(encoder.parameters()) + list(llm.parameters())
     optimizer = torch.optim.AdamW(params, **adamw_options(options))
     losses, largest = [], []
-    for batch in batches:
+    for step, batch in enumerate(batches):
         rows = np.arange(len(batch))
+        real = texts[step] if texts is not None else None
         pixels, text = [], []
         for i in rows:
             p, tok = sample_inputs(options.seed, str(batch.ids[i]), int(batch.tiles[i]), int(batch.text_tokens[i]),
-                                   model.encoder.image_size, model.llm.vocab)
+                                   model.encoder.image_size, model.llm.vocab, text=real)
             if len(p):
                 pixels.append(p)
             text.append(tok)
         has = batch.tiles > 0
         image = encoder(torch.cat(pixels).to(dtype), [int(t) for t in batch.tiles[has]],
                         [int(m) for m in batch.image_tokens[has]]) if pixels else None
-        seq = pack_sequence([int(m) for m in batch.image_tokens], text)
+        masks = [real[str(i)].targets for i in batch.ids] if real is not None else None
+        seq = pack_sequence([int(m) for m in batch.image_tokens], text, masks)
         positions, cu = pack(seq.lengths)
-        loss = llm(image, seq, positions, cu, text=torch.cat(text), loss_scale=1.0 / max(target_tokens(batch), 1))
+        loss = llm(image, seq, positions, cu, text=torch.cat(text),
+                   loss_scale=1.0 / max(target_tokens(batch, real), 1))
         loss.backward()
         largest.append(max(float(p.grad.abs().max()) for p in params if p.grad is not None))
         optimizer.step()

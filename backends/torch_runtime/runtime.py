@@ -279,7 +279,7 @@ class RankStep:
         pix, text = [], []
         for i in rows:
             p, tok = sample_inputs(self.w.seed, str(b.ids[i]), int(b.tiles[i]), int(b.text_tokens[i]),
-                                   self.w.image_size, self.w.vocab, need_pixels=pixels)
+                                   self.w.image_size, self.w.vocab, need_pixels=pixels, text=self.data.text)
             if p is not None and len(p):
                 pix.append(p)
             text.append(tok)
@@ -297,7 +297,7 @@ class RankStep:
 
     def _make_sequence(self, rows: np.ndarray) -> tuple[Sequence, torch.Tensor, torch.Tensor, torch.Tensor]:
         _, text = self.inputs_of(rows, pixels=False)
-        seq = pack_sequence(self.data.image_tokens(rows), text)
+        seq = pack_sequence(self.data.image_tokens(rows), text, self.data.target_masks(rows))
         positions, cu = pack(seq.lengths, device=self.w.device) if seq.lengths else (
             torch.zeros(0, dtype=torch.long, device=self.w.device), torch.zeros(1, dtype=torch.int32,
                                                                                   device=self.w.device))

@@ -17,6 +17,7 @@ import numpy as np
 
 from dflop.program.routing import encoder_replicas
 from dflop.specs.plan import Plan
+from dflop.workload.chat import Encoded
 from dflop.workload.sample import SampleTable
 
 
@@ -25,6 +26,8 @@ class StepData:
     plan: Plan
     batch: SampleTable
     assignment: np.ndarray
+    text: dict[str, Encoded] | None = None
+    """Real samples: each sample's token ids and targets, by id (None: synthetic inputs)."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -65,12 +68,18 @@ class StepData:
     def text_tokens(self, rows: np.ndarray) -> list[int]:
         return [int(x) for x in self.batch.text_tokens[rows]]
 
+    def target_masks(self, rows: np.ndarray) -> list[np.ndarray] | None:
+        return None if self.text is None else [self.text[str(i)].targets for i in self.batch.ids[rows]]
+
     @cached_property
     def targets(self) -> int:
-        return target_tokens(self.batch)
+        return target_tokens(self.batch, self.text)
 
 
-def target_tokens(batch: SampleTable) -> int:
+def target_tokens(batch: SampleTable, text: dict[str, Encoded] | None = None) -> int:
     """Target tokens of a global batch. The loss is summed and divided by this, so every token
-    weighs the same whatever bin it landed in."""
-    return int(batch.targets.sum())
+    weighs the same whatever bin it landed in. Real samples: the predicted targets (a sample's
+    first token has nothing before it to be predicted from when it has no image)."""
+    if text is None:
+        return int(batch.targets.sum())
+    return sum(int(text[str(i)].targets[0 if m > 0 else 1:].sum()) for i, m in zip(batch.ids, batch.image_tokens))

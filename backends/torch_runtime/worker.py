@@ -28,6 +28,7 @@ from dflop.program.template import Template, build_template
 from dflop.specs.execution import Device, ExecutionSpec
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module, Plan, place
+from dflop.workload.chat import Encoded
 from dflop.workload.sample import SampleTable
 
 from dflop.backends.torch_runtime import checkpoint
@@ -73,6 +74,9 @@ class Payload:
     options: TorchOptions
     gpus_per_node: int
     """Of the planned cluster: where HSDP's shard groups end."""
+    texts: list[dict[str, Encoded]] | None = None
+    """Real samples: each step's token ids and targets by sample id, tokenized by the launcher
+    before any rank starts (None: synthetic inputs)."""
 
 
 @dataclass
@@ -202,7 +206,7 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     for step in range(start, len(payload.batches)):
         batch, assignment = payload.batches[step], payload.assignments[step]
         graph = lower_step(template, batch, assignment)
-        data = StepData(payload.plan, batch, assignment)
+        data = StepData(payload.plan, batch, assignment, payload.texts[step] if payload.texts is not None else None)
         clock = Clock(device)
         run = RankStep(worker, graph, data, step, clock, dtype=info["dtype"],
                       hidden={Module.LLM: model.llm.hidden, Module.ENCODER: model.encoder.hidden},

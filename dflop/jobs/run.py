@@ -40,9 +40,11 @@ from dflop.jobs.resume import RUN_FILE, Arm, clear, plain, resume_run, run_recor
 from dflop.jobs.setup import Log, Setup, load_config, log_to_stderr, setup
 from dflop.jobs.steps import schedule_steps
 
-TRAINING_FIELDS = ("losses", "graph_time_s", "optimizer_time_s", "device")
+TRAINING_FIELDS = ("losses", "graph_time_s", "optimizer_time_s", "device", "inputs", "trained")
 """What an arm reports only where its backend trains (the torch backend): the losses, the measured
-step split into step graph and optimizer step, the device. Every other field every backend reports."""
+step split into step graph and optimizer step, the device, what it trained on (``inputs``: real
+samples or synthetic) and, per step, its loss and the ids of the samples it trained (``trained``).
+Every other field every backend reports."""
 CALIBRATION_FIELDS = ("calibration", "uncalibrated_predicted_step_time_s", "uncalibrated_prediction_error")
 """What a run reports only where it calibrated (a backend on this machine's processors, ``execution.calibrate``):
 what the check found (the run), and the prediction on the profile as recorded and its error (each arm)."""
@@ -207,7 +209,7 @@ def _measured(result: BackendResult, global_batch: int, name: str, out: Path) ->
     if "graph_s" in result.steps[0]:
         fields["graph_time_s"] = {"mean": float(np.mean(graph)), "each": graph}
         fields["optimizer_time_s"] = {"mean": float(np.mean([s["optimizer_s"] for s in result.steps]))}
-    for key in ("losses", "device"):
+    for key in ("losses", "device", "inputs", "trained"):
         if key in result.extra:
             fields[key] = result.extra[key]
     fields["steps"] = len(result.steps)

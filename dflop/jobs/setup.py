@@ -24,6 +24,7 @@ from dflop.specs.loading import at, child
 from dflop.specs.plan import Plan
 from dflop.specs.plan_file import PlanFile
 from dflop.specs.run import DEFAULTS, RunConfig, load_run_config
+from dflop.workload.chat import ChatCounter, load_chat
 from dflop.workload.data_profile import DataProfile
 from dflop.workload.manifest import read_manifest
 from dflop.workload.mixes import mix, mix_names, synthesize
@@ -90,6 +91,9 @@ class Setup:
 
 def load_data(config: RunConfig) -> tuple[SampleTable, str]:
     d = config.data
+    if config.real_samples:  # counted as the torch backend feeds them: rendered by the chat template
+        tokens = ChatCounter(load_chat(config.checkpoint))
+        return read_manifest(d.dataset, config.encoder, tokenizer=tokens).samples, f"dataset {d.dataset}, {tokens.name}"
     if d.dataset:
         return read_manifest(d.dataset, config.encoder).samples, f"dataset {d.dataset}"
     if d.profile:

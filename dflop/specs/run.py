@@ -38,6 +38,11 @@ class DataSpec:
     samples: int = field(default=20000, metadata=limit(1, MAX_SAMPLES))
     """Samples drawn from a preset (the pool global batches are drawn from)."""
     seed: int = field(default=0, metadata=limit(0))
+    synthetic: bool = False
+    """Train the torch backend on synthetic inputs (token ids and pixels drawn from each sample's id,
+    shaped by the data) even where a checkpoint's tokenizer and a dataset would give real ones: for
+    planning studies and fidelity, which need no data. Without a checkpoint and a dataset the
+    inputs are synthetic anyway."""
 
     def __post_init__(self) -> None:
         check_numbers(self)
@@ -84,6 +89,12 @@ class RunConfig:
     @property
     def model(self) -> MLLMSpec:
         return MLLMSpec(encoder=self.encoder, llm=self.llm)
+
+    @property
+    def real_samples(self) -> bool:
+        """Whether the torch backend trains on the dataset's own conversations, rendered and tokenized
+        by the checkpoint (and the data profiled with that same rendering)."""
+        return bool(self.checkpoint and self.data.dataset and not self.data.synthetic)
 
 
 def _relative_to(folder: Path, data: object) -> object:

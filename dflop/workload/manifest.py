@@ -185,7 +185,8 @@ class _Reader:
                 break  # (a pass over every entry read none: the repeats after it would read none either)
             where = items.where(index)
             try:
-                schema, parsed = parse(items.get(index), where, forced)
+                raw = items.get(index)
+                schema, parsed = parse(raw, where, forced)
                 sizes = parsed.sizes if parsed.sizes is not None else _sizes(parsed, schema, ctx, where)
                 videos = _videos(parsed, schema, ctx, where) if parsed.videos else []
             except EntryError as exc:
@@ -199,7 +200,7 @@ class _Reader:
                               parsed.copies)
             positions.append(index)
             if batched:
-                pending.append((row, parsed.turns))
+                pending.append((row, self.tokens.entry(raw, parsed, where)))
                 if len(pending) >= TOKENIZE_CHUNK:
                     self._tokenize(columns, pending)
             self.read += 1

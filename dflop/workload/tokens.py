@@ -41,6 +41,10 @@ class TokenCounter:
     def batched(self) -> bool:
         return self.tokenizer is not None
 
+    def entry(self, entry: Any, parsed: Any, where: str) -> Any:
+        """What :meth:`count` takes of one manifest entry (its turns; a chat counter: its messages)."""
+        return parsed.turns
+
     def count(self, entries: list[list[str]]) -> list[int]:
         if self.tokenizer is None:
             return [estimate_text_tokens(turns) for turns in entries]

@@ -1,0 +1,222 @@
+"""Conversations as a checkpoint trains on them: rendered by its chat template, tokenized by its
+``tokenizer.json``, with the targets LLaVA-NeXT and LLaMA-Factory train on (each assistant turn's
+content tokens and its end-of-turn token, nothing else).
+
+The template renders as transformers' ``apply_chat_template`` renders it (a sandboxed jinja2
+environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, the
+special tokens as variables, no generation prompt) and the text is tokenized without adding
+special tokens (the template writes them), so the ids are the ones transformers feeds. The data
+profiler counts with the same :class:`ChatCounter` the torch backend takes its tokens from, so a
+plan is made for exactly the tokens that run. jinja2 and tokenizers are imported only here, when
+a checkpoint's template is used.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from dflop.errors import DflopError
+from dflop.specs.models import EncoderSpec
+from dflop.workload.manifest import read_manifest
+from dflop.workload.sample import SampleTable
+from dflop.workload.schemas import Parsed
+from dflop.workload.tokens import TokenCounter, load_tokenizer
+
+ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
+"""Role names the manifest formats use (LLaVA's from: human/gpt, ShareGPT's role), as the template's."""
+SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One sample's token ids and which of them are targets."""
+
+    ids: np.ndarray
+    targets: np.ndarray
+    """Bool per token."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A checkpoint's chat template and tokenizer (``load_chat``)."""
+
+    template: Any
+    tokenizer: Any
+    variables: dict[str, str]
+    """The special tokens the template may name (``bos_token``, ...)."""
+    name: str
+
+    def render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=generation_prompt, **self.variables)
+
+    def encode(self, messages: list[dict[str, str]], where: str) -> Encoded:
+        """The ids and targets of ``messages``; a template that fails, or that renders an assistant
+        turn without its content and an end-of-turn token after it, is an error naming ``where``."""
+        import jinja2
+
+        try:
+            text = self.render(messages)
+            spans = [self._span(messages, i, text, where) for i, m in enumerate(messages) if m["role"] == "assistant"]
+        except jinja2.TemplateError as exc:
+            raise DflopError(f"{where}: {self.name}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        starts = np.array([a for a, _ in enc.offsets], dtype=np.int64)
+        ends = np.array([b for _, b in enc.offsets], dtype=np.int64)
+        targets = np.zeros(len(enc.ids), dtype=bool)
+        for k, (a, b) in enumerate(spans):
+            content = (starts < b) & (ends > a)
+            after = np.flatnonzero(starts >= b)
+            if not len(after) or not self._special(enc.tokens[after[0]]):
+                raise DflopError(f"{where}: {self.name}: assistant turn {k + 1} is not followed by an end-of-turn "
+                                 "special token")
+            targets |= content
+            targets[after[0]] = True
+        return Encoded(np.asarray(enc.ids, dtype=np.int64), targets)
+
+    def _span(self, messages: list[dict[str, str]], i: int, text: str, where: str) -> tuple[int, int]:
+        """Characters of assistant message i's content in ``text`` (the whole rendering): found after
+        the rendering of the turns before it with the generation prompt, so it is that turn's."""
+        prefix = self.render(messages[:i], generation_prompt=True)
+        upto = self.render(messages[:i + 1])
+        content = messages[i]["content"].strip()
+        at = upto.find(content, len(prefix)) if upto.startswith(prefix) and text.startswith(upto) else -1
+        if at < 0:
+            raise DflopError(f"{where}: {self.name}: the template does not render assistant message {i} after the "
+                             "turns before it (dflop cannot find its tokens)")
+        return at, at + len(content)
+
+    def _special(self, token: str) -> bool:
+        added = self.tokenizer.get_added_tokens_decoder()
+        return any(t.content == token and t.special for t in added.values())
+
+
+def _token(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+def load_chat(folder: str | Path) -> ChatTemplate:
+    """The chat template (``tokenizer_config.json``'s ``chat_template``, else ``chat_template.jinja``)
+    and ``tokenizer.json`` of the checkpoint ``folder``."""
+    folder = Path(folder)
+    tokenizer = load_tokenizer(folder).tokenizer
+    config_file, jinja_file = folder / "tokenizer_config.json", folder / "chat_template.jinja"
+    config: dict[str, Any] = {}
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise DflopError(f"{config_file}: not JSON ({exc})") from None
+    source = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(source, list):  # named templates: the default one
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(source, str) and jinja_file.is_file():
+        source = jinja_file.read_text(encoding="utf-8")
+    if not isinstance(source, str):
+        raise DflopError(f"{folder}: no chat template (tokenizer_config.json's chat_template or chat_template.jinja)")
+    variables = {k: t for k in SPECIAL if (t := _token(config.get(k))) is not None}
+    return ChatTemplate(_compile(source, folder), tokenizer, variables, f"chat template of {folder}")
+
+
+def _compile(source: str, folder: Path) -> Any:
+    """The template in the environment transformers renders chat templates in."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}`` blocks (transformers' assistant mask markers) render as their body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise DflopError(f"{folder}: chat template, line {exc.lineno}: {exc.message}") from None
+
+
+def messages_of(entry: Any, parsed: Parsed, where: str) -> list[dict[str, str]]:
+    """The entry's turns with their roles (a system prompt the reader put first is the system turn).
+    Only text conversations: images and video are not tokenized here."""
+    if parsed.images or parsed.videos:
+        raise DflopError(f"{where}: has images or video: real samples are text-only conversations for now "
+                         "(data: {synthetic: true} trains on synthetic inputs)")
+    conv = next((entry[k] for k in ("messages", "conversations", "conversation") if isinstance(entry.get(k), list)), [])
+    system = len(parsed.turns) - len(conv)
+    roles = ["system"] * system
+    for k, turn in enumerate(conv):
+        role = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
+        if role not in ROLES:
+            raise DflopError(f"{where}: turn {k}: role {role!r} is not one of {', '.join(ROLES)}")
+        roles.append(ROLES[role])
+    if system not in (0, 1) or len(roles) != len(parsed.turns):
+        raise DflopError(f"{where}: its turns are not a conversation of roles dflop can render")
+    return [{"role": r, "content": t} for r, t in zip(roles, parsed.turns)]
+
+
+class ChatCounter(TokenCounter):
+    """Counts each entry's tokens as the checkpoint's chat template renders it, keeping the encodings
+    in reading order when asked to (the torch backend trains on them)."""
+
+    def __init__(self, chat: ChatTemplate, keep: bool = False) -> None:
+        super().__init__(chat.tokenizer, chat.name)
+        self.chat = chat
+        self.encoded: list[Encoded] | None = [] if keep else None
+
+    def entry(self, entry: Any, parsed: Parsed, where: str) -> Any:
+        return where, messages_of(entry, parsed, where)
+
+    def count(self, entries: list[Any]) -> list[int]:
+        out = []
+        for where, messages in entries:
+            encoded = self.chat.encode(messages, where)
+            if self.encoded is not None:
+                self.encoded.append(encoded)
+            out.append(len(encoded.ids))
+        return out
+
+
+EPOCH = re.compile(r"e\d+:")
+"""The prefix global batches put before a sample's id (``data_profile.batches``)."""
+
+
+def encode_dataset(path: str | Path, encoder: EncoderSpec, chat: ChatTemplate,
+                   batches: Sequence[SampleTable]) -> list[dict[str, Encoded]]:
+    """Each batch's samples of the dataset ``path`` as ``chat`` renders and tokenizes them, by id:
+    read as the data profiler reads it (same ids, same counts)."""
+    tokens = ChatCounter(chat, keep=True)
+    ids = read_manifest(path, encoder, tokenizer=tokens).samples.ids
+    assert tokens.encoded is not None and len(tokens.encoded) == len(ids)
+    by_id = dict(zip((str(i) for i in ids), tokens.encoded))
+    out = []
+    for batch in batches:
+        step = {}
+        for sample_id in map(str, batch.ids):
+            key = sample_id[m.end():] if (m := EPOCH.match(sample_id)) else sample_id
+            if key not in by_id:
+                raise DflopError(f"{path}: has no sample {key!r} (the run's data is not this dataset)")
+            step[sample_id] = by_id[key]
+        out.append(step)
+    return out
