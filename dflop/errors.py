@@ -8,7 +8,11 @@ CLI prints that line and exits with status 2. Anything else is a bug.
 import os
 import shutil
 import tempfile
+from enum import Enum
 from pathlib import Path
+from typing import Any, TypeVar
+
+E = TypeVar("E", bound=Enum)
 
 
 class DflopError(Exception):
@@ -29,6 +33,16 @@ class ManifestError(DflopError):
 
 class InfeasibleError(DflopError):
     """No schedule or plan satisfies the constraints (caps, memory)."""
+
+
+def member(kind: type[E], value: Any, where: str, what: str, error: type[DflopError] = DflopError) -> E:
+    """``value`` as a member of the closed set ``kind`` (a str-valued enum), whatever its case and
+    surrounding blanks; an unknown one is one line naming ``where``, the value and the valid ones."""
+    try:
+        return kind(value.strip().lower() if isinstance(value, str) else value)
+    except ValueError:
+        valid = ", ".join(str(m.value) for m in kind)
+        raise error(f"{where}: unknown {what} {value!r} (valid: {valid})") from None
 
 
 def ensure_writable_folder(folder: str | Path, what: str) -> Path:

@@ -350,7 +350,7 @@ def test_torchtitan_version_chooses_the_form():
     default = export_plan(plan, MODEL, "torchtitan", global_batch=256).text
     assert default == export_plan(plan, MODEL, "torchtitan", global_batch=256, torchtitan_version=" 0.3").text
     assert parse_titan(default).checkpoint == "full"
-    with pytest.raises(DflopError, match=r"--torchtitan-version 0\.4: unknown torchtitan version \(known: 0\.2, 0\.3"):
+    with pytest.raises(DflopError, match=r"--torchtitan-version: unknown torchtitan version '0\.4' \(valid: 0\.2, 0\.3\)"):
         export_plan(plan, MODEL, "torchtitan", global_batch=256, torchtitan_version="0.4")
 
 

@@ -155,7 +155,7 @@ ERRORS = {
     "no checkpoint in it": _without_checkpoints,
     "a damaged checkpoint": _damaged,
     "--out not empty": _used_out,
-    "unknown --to": lambda run, tmp: ([run, "--to", "gguf", "--out", tmp / "x"], "--to gguf: unknown checkpoint format"),
+    "unknown --to": lambda run, tmp: ([run, "--to", "gguf", "--out", tmp / "x"], "--to: unknown checkpoint format 'gguf' (valid: hf)"),
 }
 
 

@@ -292,6 +292,8 @@ def test_a_failed_exchange_names_the_peer_rank_and_its_planned_node():
     assert ", node 0B0, with rank 2 (node 1): ValueError: 3 != 4" in str(run.failure(node("0B0"), ValueError("3 != 4")))
     del run.recv_marks[node("0RECV_B0")]  # received: what fails now is the backward itself
     assert ", node 0B0: ValueError" in str(run.failure(node("0B0"), ValueError("3 != 4")))
+    many = str(run.failed("in optimizer", list(range(1, 20)), lost))  # a large job's lost node: a line still
+    assert ", lost rank 1 (node 0), rank 2 (node 1)," in many and ", rank 8 (node 4) and 11 more: RuntimeError" in many
 
 
 def test_a_lost_link_to_a_sibling_that_failed_first_names_the_rank_the_sibling_lost(tmp_path):
@@ -316,3 +318,8 @@ def test_a_lost_link_to_a_sibling_that_failed_first_names_the_rank_the_sibling_l
     assert lost_ranks(tmp_path, [1, 3]) == [1, 3]
     me.close()
     sibling.close()
+    failed = ProgressFile(tmp_path, 0)
+    failed.record_lost([5])
+    failed.close()
+    ProgressFile(tmp_path, 0).close()  # a restarted attempt: the earlier attempt's losses are not its own
+    assert not (tmp_path / "rank-0.lost").exists()

@@ -116,7 +116,7 @@ def resume_point(folder: Path, steps: int, expect: dict[str, Any]) -> Path | Non
     has nothing left to measure: the run then repeats the steps after the one before, which end
     with the same parameters), None when there is none. Every complete checkpoint's ``meta.json``
     is checked (its step is its folder's, within the run's ``steps``; its ``expect`` fields, the
-    seed and plan, are the run's), and the chosen one's data files; DflopError naming the first
+    seed and model, are the run's), and the chosen one's data files; DflopError naming the first
     file that is wrong."""
     done = []
     for path in sorted(folder.glob("step-*")):

@@ -72,6 +72,10 @@ def hf_tensors(params: dict[str, torch.Tensor], llm: LLMSpec, source: Checkpoint
         trained[parameter_name(Module(module), name, tied)] = tensor
     if source is None:
         return {checkpoint_name(n, LLM_STYLE): t for n, t in trained.items()}
+    missing = sorted(set(trained) - set(source.tensors))  # before reading a byte of the source
+    if missing:
+        raise DflopError(f"{source.listing}: has no tensor for dflop's '{missing[0]}' (the run did not start "
+                         "from this checkpoint)")
     with Files() as opened:
         for canonical, (hf, file) in source.tensors.items():
             if canonical in trained:
@@ -81,10 +85,6 @@ def hf_tensors(params: dict[str, torch.Tensor], llm: LLMSpec, source: Checkpoint
             else:
                 value = opened(file).get_tensor(hf)
             out[hf] = value.to(DTYPES.get(opened(file).get_slice(hf).get_dtype(), value.dtype)).contiguous()
-    missing = sorted(set(trained) - set(source.tensors))
-    if missing:
-        raise DflopError(f"{source.listing}: has no tensor for dflop's '{missing[0]}' (the run did not start "
-                         "from this checkpoint)")
     return out
 
 

@@ -27,6 +27,7 @@ class ProgressFile:
         self._map = mmap.mmap(self._file.fileno(), SIZE)
         self.folder, self.rank = folder, rank
         (folder / f"rank-{rank}.pid").write_text(str(os.getpid()))
+        (folder / f"rank-{rank}.lost").unlink(missing_ok=True)  # an earlier attempt's (torchrun restarts keep the folder)
 
     def write(self, step: int, label: str) -> None:
         text = f"{step} {label}".encode()[:SIZE]

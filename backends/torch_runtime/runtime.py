@@ -42,6 +42,8 @@ from dflop.backends.torch_runtime.progress import lost_ranks
 from dflop.backends.torch_runtime.shapes import StepData
 
 
+NAMED = 8
+"""Peers a failure names at most (a node lost in a large job takes many ranks with it)."""
 CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
 """How gloo says that the process at the other end of a link is gone."""
 
@@ -234,8 +236,9 @@ class RankStep:
             peers = lost_ranks(self.progress.folder, peers)
             self.progress.record_lost(peers)
         per_node = self.gpus_per_node
-        names = ", ".join(f"rank {r}" + (f" (node {r // per_node})" if per_node else "") for r in peers)
-        return f", {'lost' if lost else 'with'} {names}"
+        names = ", ".join(f"rank {r}" + (f" (node {r // per_node})" if per_node else "") for r in peers[:NAMED])
+        more = f" and {len(peers) - NAMED} more" if len(peers) > NAMED else ""
+        return f", {'lost' if lost else 'with'} {names}{more}"
 
     def shape_of(self, node: Node) -> str:
         if node.microbatch < 0:

@@ -38,7 +38,7 @@ from dflop.backends.torch_runtime.progress import ProgressFile
 from dflop.backends.torch_runtime.recompute import block_runner
 from dflop.backends.torch_runtime.parallel import (Groups, RankLayout, fully_shard_stage, make_optimizer,
                                                    tensor_parallel)
-from dflop.backends.torch_runtime.runtime import Clock, RankStep, RankState
+from dflop.backends.torch_runtime.runtime import CONNECTION_LOST, Clock, RankStep, RankState
 from dflop.backends.torch_runtime.shapes import StepData
 
 
@@ -248,7 +248,8 @@ def _between_steps(run: RankStep, what: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - named, then re-raised for the launcher
-        others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+        lost = any(m in str(exc) for m in CONNECTION_LOST)  # else no peer is to blame: name none
+        others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()] if lost else []
         raise run.failed(f"in {what}", others, exc) from exc
 
 

@@ -136,7 +136,7 @@ def save_sampler_state(sampler: BalancedBatchSampler, folder: str | os.PathLike)
     return save_json(Path(folder) / CHECKPOINT_FILE, sampler.state())
 
 
-def check_checkpoint(sampler: BalancedBatchSampler, folder: str | os.PathLike) -> None:
+def check_sampler_state(sampler: BalancedBatchSampler, folder: str | os.PathLike) -> None:
     """Refuse to continue the epoch of checkpoint ``folder`` with a sampler that cuts other bins
     than the one that trained it: the Trainer would skip microbatches this run never gave."""
     path = Path(folder) / CHECKPOINT_FILE
@@ -151,7 +151,7 @@ def check_checkpoint(sampler: BalancedBatchSampler, folder: str | os.PathLike) -
         raise DflopError(f"{path}: not a dflop sampler state (expected a JSON object)")
     differ = sampler.differences(saved)
     if differ:
-        what = ", ".join(f"{LABELS.get(k, k)} {saved} -> {now}" for k, (saved, now) in differ.items())
+        what = ", ".join(f"{LABELS.get(k, k)} {was} -> {now}" for k, (was, now) in differ.items())
         raise DflopError(f"{folder}: saved by a run with other bins ({what}); the resumed ranks would skip "
                          "microbatches they never trained; resume with the settings it was saved with")
 
@@ -226,7 +226,7 @@ class DflopLoaderMixin:
         if checkpoint is True and os.path.isdir(self.args.output_dir):
             checkpoint = get_last_checkpoint(self.args.output_dir) or True  # none: the Trainer says so
         if isinstance(checkpoint, (str, os.PathLike)) and not self.args.ignore_data_skip:
-            check_checkpoint(sampler_for(self.args, self.data_profile, self.bin_cost), checkpoint)
+            check_sampler_state(sampler_for(self.args, self.data_profile, self.bin_cost), checkpoint)
         return super().train(checkpoint, *args, **kwargs)
 
 

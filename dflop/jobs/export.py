@@ -27,13 +27,12 @@ replicate across nodes: the cluster says how many GPUs a node holds),
 
 from __future__ import annotations
 
-import shlex
 import textwrap
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from dflop.errors import DflopError, PlanError
+from dflop.errors import DflopError, PlanError, member
 from dflop.timing.dpcomm import shard_degree
 from dflop.program.schedules import canonical
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
@@ -360,8 +359,16 @@ def _titan_overrides(s: Settings, sections: dict[str, dict[str, Any]]) -> list[s
             f"({s.plan.llm.gpus} GPUs for the LLM; launch: torchrun ... -m torchtitan.train --module MODEL "
             f"--config CONFIG $(grep -v '^#' THIS_FILE) {command})",
             f"subcommand: {command}  (last on the command line; without it torchtitan 0.3 checkpoints selectively)"]
-    return _comment(head) + [f"--{name}.{k} {shlex.quote(str(v))}" for name, fields in sections.items()
+    return _comment(head) + [f"--{name}.{k} {_word(v, f'{name}.{k}')}" for name, fields in sections.items()
                              for k, v in fields.items()]
+
+
+def _word(value: Any, field: str) -> str:
+    """``value`` as one shell word: the launch line splits the file on whitespace and keeps quotes."""
+    text = str(value)
+    if not text or any(c.isspace() for c in text):
+        raise DflopError(f"{field}: {text!r} cannot be one word of a torchtitan command line")
+    return text
 
 
 def torchtitan(s: Settings, version: TitanVersion = TitanVersion.V0_3) -> Export:
@@ -392,23 +399,12 @@ def torchtitan(s: Settings, version: TitanVersion = TitanVersion.V0_3) -> Export
     return Export(Target.TORCHTITAN, "\n".join(lines + _comment(tail)) + "\n", tuple(gaps))
 
 
-def titan_version(value: str | TitanVersion) -> TitanVersion:
-    try:
-        return TitanVersion(str(value).strip())
-    except ValueError:
-        known = ", ".join(v.value for v in TitanVersion)
-        raise DflopError(f"--torchtitan-version {value}: unknown torchtitan version (known: {known})") from None
-
-
 def export_plan(plan: Plan, model: MLLMSpec, target: str | Target, *, global_batch: int,
                 training: TrainingSpec | None = None, cluster: ClusterSpec | None = None,
                 torchtitan_version: str | TitanVersion = TitanVersion.V0_3) -> Export:
     """The plan as ``target``'s launch arguments, with what the target cannot express (``cluster``:
     where HSDP's shard groups end; ``torchtitan_version``: which config surface to write for torchtitan)."""
-    names = [t.value for t in Target]
-    key = str(target).strip().lower()
-    if key not in names:
-        raise DflopError(f"--to {target}: unknown target (known: {', '.join(names)})")
-    version = titan_version(torchtitan_version)
+    key = member(Target, target, "--to", "target")
+    version = member(TitanVersion, torchtitan_version, "--torchtitan-version", "torchtitan version")
     s = settings(plan, model, global_batch=global_batch, training=training, cluster=cluster)
-    return megatron(s) if key == Target.MEGATRON else torchtitan(s, version)
+    return megatron(s) if key is Target.MEGATRON else torchtitan(s, version)

@@ -16,7 +16,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from dflop.errors import DflopError
+from dflop.errors import DflopError, ensure_writable_folder, member
 from dflop.specs.loading import from_mapping, load_json
 from dflop.specs.models import LLMSpec
 
@@ -34,14 +34,6 @@ class CheckpointTarget(str, Enum):
         return self.value
 
 
-def _target(value: str) -> CheckpointTarget:
-    try:
-        return CheckpointTarget(str(value).strip().lower())
-    except ValueError:
-        known = ", ".join(t.value for t in CheckpointTarget)
-        raise DflopError(f"--to {value}: unknown checkpoint format (known: {known})") from None
-
-
 def _empty_out(out: Path) -> None:
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise DflopError(f"--out {out}: exists and is not an empty folder (give a new or empty folder)")
@@ -54,7 +46,7 @@ def export_checkpoint(run_dir: str | Path, target: str, out: str | Path, *,
     from dflop.backends.torch_runtime import checkpoint, hf_export
     from dflop.backends.torch_runtime.hf_checkpoint import open_checkpoint
 
-    kind, run_dir, out = _target(target), Path(run_dir), Path(out)
+    kind, run_dir, out = member(CheckpointTarget, target, "--to", "checkpoint format"), Path(run_dir), Path(out)
     if not run_dir.is_dir():
         raise DflopError(f"{run_dir}: no such run folder (give the --out folder of a `dflop run --backend torch`)")
     if not (run_dir / RUN_FILE).is_file():
@@ -68,8 +60,7 @@ def export_checkpoint(run_dir: str | Path, target: str, out: str | Path, *,
     checkpoint.check_files(found)
     llm = from_mapping(LLMSpec, run.get("llm"), f"{run_dir / RUN_FILE}: llm")
     source = open_checkpoint(run["checkpoint"]) if run.get("checkpoint") else None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=ensure_writable_folder(out.parent, "output")))
     try:
         files = hf_export.write_folder(found, llm, source, tmp, str(run_dir),
                                        shard_bytes or hf_export.SHARD_BYTES)

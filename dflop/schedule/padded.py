@@ -26,7 +26,7 @@ from enum import Enum
 
 import numpy as np
 
-from dflop.errors import DflopError
+from dflop.errors import DflopError, member
 
 
 class BinCost(str, Enum):
@@ -42,11 +42,7 @@ class BinCost(str, Enum):
 
 
 def bin_cost(value: BinCost | str, where: str = "bin_cost") -> BinCost:
-    """``value`` as a BinCost, whatever its case; an unknown name lists the valid ones."""
-    try:
-        return BinCost(value.strip().lower() if isinstance(value, str) else value)
-    except ValueError:
-        raise DflopError(f"{where}: unknown bin cost {value!r} (valid: {', '.join(c.value for c in BinCost)})") from None
+    return member(BinCost, value, where, "bin cost")
 
 
 def padded_loads(lengths: np.ndarray, assignment: np.ndarray, bins: int) -> np.ndarray:

@@ -12,7 +12,7 @@ import math
 import numbers
 from enum import StrEnum
 
-from dflop.errors import SpecError
+from dflop.errors import SpecError, member
 
 
 class Solver(StrEnum):
@@ -30,12 +30,7 @@ class Solver(StrEnum):
 
 
 def solver(name: str, where: str = "solver") -> Solver:
-    """``name`` as a Solver, whatever its case; an unknown name lists the valid ones."""
-    key = name.strip().lower() if isinstance(name, str) else name
-    try:
-        return Solver(key)
-    except ValueError:
-        raise SpecError(f"{where}: unknown solver {name!r} (valid: {', '.join(Solver)})") from None
+    return member(Solver, name, where, "solver", SpecError)
 
 
 def time_limit(seconds: float, where: str = "time limit") -> float:

@@ -52,6 +52,8 @@ class ChatTemplate:
     variables: dict[str, str]
     """The special tokens the template may name (``bos_token``, ...)."""
     name: str
+    specials: frozenset[str] = frozenset()
+    """The tokenizer's special added tokens (an assistant turn must end with one)."""
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
         return self.template.render(messages=messages, add_generation_prompt=generation_prompt, **self.variables)
@@ -73,7 +75,7 @@ class ChatTemplate:
         for k, (a, b) in enumerate(spans):
             content = (starts < b) & (ends > a)
             after = np.flatnonzero(starts >= b)
-            if not len(after) or not self._special(enc.tokens[after[0]]):
+            if not len(after) or enc.tokens[after[0]] not in self.specials:
                 raise DflopError(f"{where}: {self.name}: assistant turn {k + 1} is not followed by an end-of-turn "
                                  "special token")
             targets |= content
@@ -85,16 +87,15 @@ class ChatTemplate:
         the rendering of the turns before it with the generation prompt, so it is that turn's."""
         prefix = self.render(messages[:i], generation_prompt=True)
         upto = self.render(messages[:i + 1])
-        content = messages[i]["content"].strip()
-        at = upto.find(content, len(prefix)) if upto.startswith(prefix) and text.startswith(upto) else -1
+        at, content = -1, messages[i]["content"]
+        if upto.startswith(prefix) and text.startswith(upto):
+            for content in (content, content.strip()):  # as written (Qwen2's template), or trimmed (Llama-3's)
+                if (at := upto.find(content, len(prefix))) >= 0:
+                    break
         if at < 0:
             raise DflopError(f"{where}: {self.name}: the template does not render assistant message {i} after the "
                              "turns before it (dflop cannot find its tokens)")
         return at, at + len(content)
-
-    def _special(self, token: str) -> bool:
-        added = self.tokenizer.get_added_tokens_decoder()
-        return any(t.content == token and t.special for t in added.values())
 
 
 def _token(value: Any) -> str | None:
@@ -121,7 +122,8 @@ def load_chat(folder: str | Path) -> ChatTemplate:
     if not isinstance(source, str):
         raise DflopError(f"{folder}: no chat template (tokenizer_config.json's chat_template or chat_template.jinja)")
     variables = {k: t for k in SPECIAL if (t := _token(config.get(k))) is not None}
-    return ChatTemplate(_compile(source, folder), tokenizer, variables, f"chat template of {folder}")
+    specials = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
+    return ChatTemplate(_compile(source, folder), tokenizer, variables, f"chat template of {folder}", specials)
 
 
 def _compile(source: str, folder: Path) -> Any:
