@@ -98,11 +98,6 @@ def _edit_json(path, **changes):
     path.write_text(json.dumps(data))
 
 
-def _empty_bin(out):
-    path = out / "schedules" / "dflop" / "step-000001.json"
-    _edit_json(path, assignment=[0, 0, 0, 0])
-
-
 def _checkpoint_past_the_schedules(out):
     past = out / "checkpoints" / "dflop" / "step-000009"
     shutil.copytree(out / "checkpoints" / "dflop" / "step-000004", past)
@@ -143,7 +138,6 @@ CONTRADICTIONS = {  # id: (config changes, folder edit returning extra arguments
         out / "checkpoints/dflop/step-000004/meta.json", step=99), ["dflop/step-000004/meta.json", "got 99"]),
     "a checkpoint past the schedules": ({}, _checkpoint_past_the_schedules,
                                         ["step-000009: a checkpoint after step 9", "the run has 4 steps"]),
-    "a saved schedule with an empty bin": ({}, _empty_bin, ["dflop/step-000001.json: 'assignment': bin 1 of 2"]),
 }
 
 
