@@ -105,10 +105,16 @@ def identity(seed: int, model: MLLMSpec) -> dict[str, Any]:
     return {"seed": seed, "model": spec}
 
 
+def _complete(folder: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint (its ``meta.json`` written) in ``folder``, oldest first."""
+    return [(int(m.group(1)), p) for p in sorted(folder.glob("step-*"))
+            if (m := STEP.fullmatch(p.name)) and (p / META).exists()]
+
+
 def newest(folder: Path) -> Path | None:
-    """The complete checkpoint (its ``meta.json`` written) of the most steps in ``folder``, if any."""
-    done = sorted(p for p in folder.glob("step-*") if STEP.fullmatch(p.name) and (p / META).is_file())
-    return done[-1] if done else None
+    """The complete checkpoint of the most steps in ``folder``, if any."""
+    done = _complete(folder)
+    return done[-1][1] if done else None
 
 
 def resume_point(folder: Path, steps: int, expect: dict[str, Any]) -> Path | None:
@@ -118,14 +124,9 @@ def resume_point(folder: Path, steps: int, expect: dict[str, Any]) -> Path | Non
     is checked (its step is its folder's, within the run's ``steps``; its ``expect`` fields, the
     seed and model, are the run's), and the chosen one's data files; DflopError naming the first
     file that is wrong."""
-    done = []
-    for path in sorted(folder.glob("step-*")):
-        match = STEP.fullmatch(path.name)
-        if match is None or not (path / META).exists():
-            continue
-        step = int(match.group(1))
+    done = _complete(folder)
+    for step, path in done:
         _check_meta(path, step, steps, expect)
-        done.append((step, path))
     usable = [path for step, path in done if step < steps]
     if usable:
         check_files(usable[-1])
