@@ -37,6 +37,7 @@ def check(problem, result):
         assert result.makespan <= result.lower_bound * (1 + 1e-9)
 
 
+@pytest.mark.processes  # the auto solver's ILP runs in a forked process
 @given(problems(), st.sampled_from(FAST))
 def test_invariants_of_every_fast_partitioner(problem, solver):
     check(problem, partition(problem, solver, time_limit=10, node_limit=NODES))

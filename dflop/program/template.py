@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Sequence
+
+import numpy as np
 
 from dflop.errors import DflopError
 from dflop.program.actions import Action, Kind, Program
@@ -70,6 +72,18 @@ class TemplateOp:
 
 
 @dataclass(frozen=True)
+class Wave:
+    """Ops that wait only for ops of earlier waves; index ``n`` (the number of ops) stands for none."""
+
+    ops: np.ndarray
+    waits: np.ndarray
+    """Per op: its predecessor on its replica, then per dependency slot (``op.deps`` order) the
+    op releasing it."""
+    bridged: tuple[tuple[int, int], ...]
+    """(row in ``ops``, op releasing the bridge input) of the ops with a bridge input."""
+
+
+@dataclass(frozen=True)
 class Template:
     plan: Plan
     program: Program
@@ -85,6 +99,44 @@ class Template:
     @property
     def colocated(self) -> bool:
         return self.encoder_stages == 0
+
+    @cached_property
+    def group_ops(self) -> tuple[np.ndarray, ...]:
+        """Each group's op indices, in program order."""
+        groups = np.array([op.group for op in self.ops], dtype=np.int64)
+        return tuple(np.flatnonzero(groups == g.index) for g in self.groups)
+
+    @cached_property
+    def waves(self) -> tuple["Wave", ...]:
+        """The ops in waves, each op in the first wave after every op it waits for (``waits_for``).
+        A group's ops wait for each other in program order, so a wave holds at most one op per
+        group: the fast evaluator times a whole wave at once, and a group's collectives still
+        run in program order."""
+        n = len(self.ops)
+        wave = [0] * n
+        waits = [waits_for(op, self.ops) for op in self.ops]
+        for i in self.order:
+            prev, data, bridge = waits[i]
+            wave[i] = 1 + max((wave[d] for d in (prev, bridge, *data) if d >= 0), default=-1)
+        members: list[list[int]] = [[] for _ in range(max(wave, default=-1) + 1)]
+        for i in self.order:
+            members[wave[i]].append(i)
+        slots = max((len(op.deps) for op in self.ops), default=0)
+        out = []
+        for ops in members:
+            table = np.full((len(ops), 1 + slots), n, dtype=np.int64)
+            for row, i in enumerate(ops):
+                prev, data, _ = waits[i]
+                table[row, 0] = prev if prev >= 0 else n
+                table[row, 1:1 + len(data)] = data
+            out.append(Wave(np.array(ops, dtype=np.int64), table,
+                            tuple((row, waits[i][2]) for row, i in enumerate(ops) if waits[i][2] >= 0)))
+        return tuple(out)
+
+    @cached_property
+    def wave_position(self) -> dict[int, tuple[int, int]]:
+        """Each op's (wave, row in the wave)."""
+        return {int(i): (w, row) for w, wave in enumerate(self.waves) for row, i in enumerate(wave.ops)}
 
     def module_stage(self, program_stage: int) -> tuple[Module, int]:
         if program_stage < self.encoder_stages:

@@ -54,6 +54,7 @@ import heapq
 from bisect import bisect_right
 from itertools import accumulate
 from enum import Enum
+from functools import lru_cache
 from typing import Callable
 
 import numpy as np
@@ -216,48 +217,65 @@ def packs_under(tokens: list[int], budget: int) -> list[list[int]]:
 
 def tightest_budget(tokens: list[int], packs: int) -> int:
     """The smallest budget, no shorter than the longest sample, under which Megatron's packing makes
-    at most ``packs`` packs (their number never grows with the budget: each pack starts no earlier)."""
-    cum = list(accumulate(tokens, initial=0))
-    lo, hi = max(max(tokens), -(-cum[-1] // packs)), cum[-1]
+    at most ``packs`` packs (their number never grows with the budget: each pack starts no earlier).
+    The search starts below the average pack plus the longest sample (each pack closed under that
+    budget holds more than the average, so there are at most ``packs``), and a budget is tried
+    without walking its packs one by one: where a pack starting at each sample ends is one search
+    over all samples, and ``packs`` packs from the first are that jump composed ``packs`` times,
+    by repeated squaring."""
+    cum = np.fromiter(accumulate(tokens, initial=0), dtype=np.int64, count=len(tokens) + 1)
+    n, total, longest = len(tokens), int(cum[-1]), max(tokens)
+    lo = max(longest, -(-total // packs))
+    hi = min(total, -(-total // packs) + longest)
+    every = np.arange(n + 1)
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(_ends(cum, mid, packs)) <= packs:
+        jump = np.maximum(np.searchsorted(cum, cum + mid, side="right") - 1, every + 1)
+        jump[n] = n  # the end stays the end
+        at, k = 0, packs
+        while k and at < n:
+            if k & 1:
+                at = int(jump[at])
+            jump, k = jump[jump], k >> 1
+        if at >= n:
             hi = mid
         else:
             lo = mid + 1
     return lo
 
 
-def aligned(packs: list[list[int]], multiple: int) -> list[list[int]]:
-    """Megatron's alignment: while the number of packs is not a multiple of ``multiple``, the last
-    sample of the last pack that holds several moves into a pack of its own at the end (Megatron
-    asserts that this never reaches pack 0; here pack 0 may give too)."""
-    packs = [list(p) for p in packs]
-    i = len(packs) - 1
-    for _ in range(-len(packs) % multiple):
-        while len(packs[i]) == 1:
-            i -= 1
-        packs.append([packs[i].pop()])
-    return packs
+@lru_cache(maxsize=64)
+def _pack_ends(tokens: tuple[int, ...], packs: int) -> tuple[int, ...]:
+    """Where Megatron's packs end under the tightest budget for ``packs``: once per batch and count,
+    which the plans of many bin grids share."""
+    return tuple(_ends(list(accumulate(tokens, initial=0)), tightest_budget(list(tokens), packs)))
 
 
 def dp_balanced(batch: SampleTable, replicas: int, microbatches: int, group: int = 1) -> np.ndarray:
     """Megatron-LM's ``dp_balanced`` bins (see the module's docstring): packs in order under the
     tightest budget that fits ``microbatches`` per rank, aligned to ``replicas x group``, pack j to
-    rank j mod replicas at microbatch m - k + j div replicas (k packs per rank, leading ones empty)."""
+    rank j mod replicas at microbatch m - k + j div replicas (k packs per rank, leading ones empty).
+
+    Megatron's alignment: while the number of packs is not a multiple of ``replicas x group``, the
+    last sample of the last pack that holds several moves into a pack of its own at the end
+    (Megatron asserts that this never reaches pack 0; here pack 0 may give too)."""
     multiple = replicas * group
     if len(batch) < multiple or microbatches < group:
         raise DflopError(f"dp-balanced packing needs at least {multiple} samples and {group} microbatches "
                          f"per rank (data parallelism {replicas} x virtual-stage group {group}); got "
                          f"{len(batch)} samples and {microbatches} microbatches")
-    tokens = [int(t) for t in batch.llm_tokens]
     most = min(microbatches // group, len(batch) // multiple) * multiple  # packs that fit, samples that fill
-    packs = aligned(packs_under(tokens, tightest_budget(tokens, most)), multiple)
-    skipped = microbatches - len(packs) // replicas
-    out = np.empty(len(batch), dtype=np.int64)
-    for j, members in enumerate(packs):
-        out[members] = (j % replicas) * microbatches + skipped + j // replicas
-    return out
+    ends = list(_pack_ends(tuple(batch.llm_tokens.astype(np.int64).tolist()), most))
+    starts = [0] + ends[:-1]
+    sizes = [b - a for a, b in zip(starts, ends)]
+    pack = np.repeat(np.arange(len(ends)), sizes)  # each sample's pack
+    packs, last = len(ends) + (-len(ends) % multiple), len(ends) - 1
+    for new in range(len(ends), packs):
+        while sizes[last] == 1:
+            last -= 1
+        sizes[last] -= 1
+        pack[starts[last] + sizes[last]] = new
+    return (pack % replicas) * microbatches + microbatches - packs // replicas + pack // replicas
 
 
 def vpp_group(plan: Plan) -> int:

@@ -12,6 +12,7 @@ one, the reference one, SimPy) computes exactly the same numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from dflop.specs.hardware import TrainingSpec
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module, Plan, Strategy, place
 from dflop.timing.dpcomm import NS, TimedCollective, dp_gpus, fsdp_op, group_comm, reduction, shard_degree, to_ns
+from dflop.timing.perop import PerOp
 from dflop.workload.sample import SampleTable
 
 __all__ = ["NS", "to_ns", "StepTiming", "TimingBuilder", "bin_shapes", "group_state",
@@ -39,29 +41,31 @@ class StepTiming:
     """Everything an evaluator needs about one step (arrays are per replica of the op's group)."""
 
     template: Template
-    duration: list[np.ndarray]
-    dep_comm: list[list[np.ndarray]]
+    duration: PerOp
+    """Per op, ns."""
+    dep_comm: PerOp
+    """Per op and dependency slot (``op.deps`` order), ns of the transfer."""
     bridge: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]
     """Per op: (source replicas, destination replicas, ns) of its bridge transfers."""
     collectives: list[TimedCollective]
     """Per data-parallel collective, in ``group_collectives`` order: its ns and lag."""
-    alloc: list[np.ndarray]
+    alloc: PerOp
     """Per op: activation bytes allocated when it starts (forwards)."""
-    free: list[np.ndarray]
+    free: PerOp
     """Per op: activation bytes released when it ends (B, or W when backward is split)."""
-    transient: list[np.ndarray]
+    transient: PerOp
     """Per op: bytes held only while it runs (the logits' gradient, a recomputed layer)."""
     static_bytes: np.ndarray
     """Per group: weights, gradients and optimizer state per GPU."""
     capacity: float
     """Usable memory per GPU."""
-    flops: list[np.ndarray]
+    flops: PerOp
     """Per op: model FLOPs per GPU (for MFU)."""
-    hw_flops: list[np.ndarray]
+    hw_flops: PerOp
     """Per op: FLOPs executed per GPU, recomputation included (for HFU)."""
-    overlap: list[np.ndarray]
+    overlap: PerOp
     """Per op: ns of communication running beside it inside the op (FSDP's gathers and reductions)."""
-    info: list[dict[str, np.ndarray]]
+    info: Sequence[dict[str, np.ndarray]]
     gpus: list[list[tuple[int, ...]]]
     """Per group, per replica: GPU ids."""
 
@@ -73,16 +77,18 @@ def stage_times_timing(template: Template, fwd: np.ndarray, bwd_input: np.ndarra
     fields = {Kind.F: to_ns(fwd), Kind.B: to_ns(bwd_input + bwd_weight), Kind.I: to_ns(bwd_input),
               Kind.W: to_ns(bwd_weight)}
     link = int(to_ns(p2p))
-    ones = np.ones(1, dtype=np.int64)
-    duration, dep_comm, zeros = [], [], np.zeros(1)
+    n, groups = len(template.ops), len(template.groups)
+    width = [1] * n
+    duration = PerOp.zeros(width, np.int64)
+    dep_comm = PerOp.zeros(width, np.int64, (max((len(op.deps) for op in template.ops), default=0),))
     for op in template.ops:
         a = op.action
-        duration.append(fields[a.kind][a.stage, a.microbatch] * ones)
-        dep_comm.append([(0 if template.ops[d].group == op.group or a.kind is Kind.W else link) * ones
-                         for d in op.deps])
-    n, groups = len(template.ops), len(template.groups)
-    return StepTiming(template, duration, dep_comm, [None] * n, [], [zeros] * n, [zeros] * n, [zeros] * n,
-                      np.zeros(groups), float("inf"), [zeros] * n, [zeros] * n, [zeros.astype(np.int64)] * n,
+        duration[op.index] = fields[a.kind][a.stage, a.microbatch]
+        for slot, d in enumerate(op.deps):
+            dep_comm.table[op.index, slot] = 0 if template.ops[d].group == op.group or a.kind is Kind.W else link
+    zeros = PerOp.zeros(width)
+    return StepTiming(template, duration, dep_comm, [None] * n, [], zeros, zeros, zeros,
+                      np.zeros(groups), float("inf"), zeros, zeros, PerOp.zeros(width, np.int64),
                       [{} for _ in range(n)], [[(g.rank,)] for g in template.groups])
 
 
@@ -145,12 +151,26 @@ class TimingBuilder:
         self.layers = {Module.ENCODER: plan.stage_layers(Module.ENCODER, self.model),
                        Module.LLM: plan.stage_layers(Module.LLM, self.model)}
         self.links: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        edges: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         for op in template.ops:
-            for d in op.deps:
+            for slot, d in enumerate(op.deps):
                 a, b = template.ops[d].group, op.group
                 if a != b and (a, b) not in self.links:
                     self.links[(a, b)] = self._links(a, b, np.arange(template.groups[b].replicas),
                                                      np.arange(template.groups[b].replicas))
+                if a != b and op.action.kind is not Kind.W:
+                    edges.setdefault((a, b), []).append((op.index, slot, op.action.microbatch))
+        self.transfers = {key: tuple(np.array(column, dtype=np.int64) for column in zip(*rows))
+                          for key, rows in edges.items()}
+        """Per (group sending, group receiving): (op, dependency slot, microbatch) of every transfer."""
+        self.width = [template.groups[op.group].replicas for op in template.ops]
+        self.slots = max((len(op.deps) for op in template.ops), default=0)
+        self.columns = [(np.array([template.ops[i].stage for i in ops]),
+                         np.array([template.ops[i].action.kind.value for i in ops]),
+                         np.array([template.ops[i].action.microbatch for i in ops], dtype=np.int64))
+                        for ops in template.group_ops]
+        """Per group, per op in program order: its stage, kind and microbatch."""
+        self.bridged = [op.index for op in template.ops if op.bridge >= 0]
         if not template.colocated:
             enc, llm = template.encoder_stages - 1, template.encoder_stages
             j, r = np.meshgrid(np.arange(plan.encoder.dp), np.arange(plan.llm.dp), indexing="ij")
@@ -199,7 +219,6 @@ class _Costing:
             raise DflopError(f"every sample of the batch needs a bin in 0..{plan.bins - 1}")
         self.bins = bin_shapes(batch, assignment, plan.llm.dp, m)
         self.batch, self.assignment = batch, assignment
-        self._links: dict[tuple[int, int], np.ndarray] = {}
         if not builder.t.colocated:
             self.chunk = encoder_replicas(batch.tiles, assignment, m, plan.encoder.dp)
             n = plan.encoder.dp * m
@@ -257,16 +276,14 @@ class _Costing:
             out[s]["all"]["deferred"] = np.broadcast_to(np.asarray(deferred, dtype=float), shape)
         return out
 
-    def _group(self, g, ops: list, slowdown: float) -> dict[str, np.ndarray]:
-        """Per-op fields of one group's ops, as (ops, replicas) arrays, filled stage by stage and kind
-        by kind (the op's microbatch picks the table's column)."""
+    def _group(self, g, slowdown: float) -> dict[str, np.ndarray]:
+        """Per-op fields of one group's ops (program order), as (ops, replicas) arrays, filled stage
+        by stage and kind by kind (the op's microbatch picks the table's column)."""
         tables = self._tables(g)
-        n = len(ops)
+        stage, kind, mb = self.b.columns[g.index]
+        n = len(stage)
         out = {f: np.zeros((n, g.replicas)) for f in ("seconds", "act", "transient", "flops", "recompute", "overlap")}
         out["exposed"] = np.zeros(n)
-        stage = np.array([op.stage for op in ops])
-        kind = np.array([op.action.kind.value for op in ops])
-        mb = np.array([op.action.microbatch for op in ops])
         units = self.b.comm[g.index].units if self.b.comm[g.index] is not None else None
         for s, tab in tables.items():
             c = tab["all"]
@@ -292,69 +309,87 @@ class _Costing:
         return out
 
     def build(self) -> StepTiming:
-        t = self.b.t
-        slowdown = self.b.cluster.hardware.comm_slowdown
-        n = len(t.ops)
-        fields: dict[str, list] = {f: [None] * n for f in ("duration", "alloc", "free", "transient", "flops",
-                                                           "hw_flops", "overlap", "info")}
-        exposed: dict[int, float] = {}
-        for g in t.groups:
-            ops = [op for op in t.ops if op.group == g.index]
-            got = self._group(g, ops, slowdown)
-            ns, overlap = to_ns(got["seconds"]), to_ns(got["overlap"])
-            info = self._info_table(g.module)
-            none = np.zeros(g.replicas)
-            for row, op in enumerate(ops):
-                i, kind, k = op.index, op.action.kind, op.action.microbatch
-                fields["duration"][i], fields["overlap"][i] = ns[row], overlap[row]
-                act = got["act"][row]
-                fields["alloc"][i] = act if kind is Kind.F else none
-                fields["free"][i] = act if kind in (Kind.B, Kind.W) else none
-                fields["transient"][i] = got["transient"][row]
-                fields["flops"][i] = got["flops"][row]
-                fields["hw_flops"][i] = got["flops"][row] + got["recompute"][row]
-                fields["info"][i] = {name: v[:, k] for name, v in info.items()}
-                exposed[i] = float(got["exposed"][row])
-        dep_comm = [[self._dep_comm(op, t.ops[d]) for d in op.deps] for op in t.ops]
-        bridge = [self._bridge(op) if op.bridge >= 0 else None for op in t.ops]
+        b, t = self.b, self.b.t
+        slowdown = b.cluster.hardware.comm_slowdown
+        duration, overlap = PerOp.zeros(b.width, np.int64), PerOp.zeros(b.width, np.int64)
+        alloc, free, transient, flops, hw_flops = (PerOp.zeros(b.width) for _ in range(5))
+        exposed = np.zeros(len(t.ops))
+        for g, ops in zip(t.groups, t.group_ops):
+            got, r = self._group(g, slowdown), g.replicas
+            kind = b.columns[g.index][1]
+            forward, backward = kind == Kind.F.value, (kind == Kind.B.value) | (kind == Kind.W.value)
+            duration.table[ops, :r] = to_ns(got["seconds"])
+            overlap.table[ops, :r] = to_ns(got["overlap"])
+            alloc.table[ops[forward], :r] = got["act"][forward]
+            free.table[ops[backward], :r] = got["act"][backward]
+            transient.table[ops, :r] = got["transient"]
+            flops.table[ops, :r] = got["flops"]
+            hw_flops.table[ops, :r] = got["flops"] + got["recompute"]
+            exposed[ops] = got["exposed"]
         collectives = []
-        for spec in self.b.specs:
+        for spec in b.specs:
             if spec.kind is Kind.REDUCE_GRAD:
-                collectives.append(reduction(spec, self.b.comm[spec.group], fields["duration"], slowdown))
+                collectives.append(reduction(spec, b.comm[spec.group], duration, slowdown))
             else:
                 lag = np.zeros(t.groups[spec.group].replicas, dtype=np.int64)
                 collectives.append(TimedCollective(spec.kind, spec.group, spec.op, int(to_ns(exposed[spec.op])), lag))
-        f = fields
-        return StepTiming(t, f["duration"], dep_comm, bridge, collectives, f["alloc"], f["free"],
-                          f["transient"], self.b.static_bytes, self.b.cluster.hardware.usable_memory_bytes,
-                          f["flops"], f["hw_flops"], f["overlap"], f["info"], self.b.gpus)
+        info = OpInfo(t, [self._info_table(g.module) for g in t.groups])
+        return StepTiming(t, duration, self._dep_comm(), self._bridges(), collectives, alloc, free, transient,
+                          b.static_bytes, b.cluster.hardware.usable_memory_bytes, flops, hw_flops, overlap, info,
+                          b.gpus)
 
     def _info_table(self, module: str) -> dict[str, np.ndarray]:
         if module == Module.ENCODER:
             return {"samples": self.enc_shape.samples, "tiles": self.enc_shape.tiles}
         return {"samples": self.bins.samples, "tokens": self.bins.tokens, "tiles": self.bins.tiles}
 
-    def _dep_comm(self, op, dep) -> np.ndarray:
-        if dep.group == op.group or op.action.kind is Kind.W:
-            return np.zeros(self.b.t.groups[op.group].replicas, dtype=np.int64)
-        key = (dep.group, op.group)
-        if key not in self._links:
-            bw, lat = self.b.links[key]
-            module = self.b.t.groups[op.group].module
-            self._links[key] = to_ns(p2p_time(self.boundary_bytes(module), bw[:, None], lat[:, None]))
-        return self._links[key][:, op.action.microbatch]
+    def _dep_comm(self) -> PerOp:
+        """Transfer ns of every dependency: over the link between two groups, none within one
+        (and none into a W, whose input is its own B's)."""
+        b = self.b
+        out = PerOp.zeros(b.width, np.int64, (b.slots,))
+        for (sender, receiver), (ops, slots, mb) in b.transfers.items():
+            bw, lat = b.links[(sender, receiver)]
+            module = b.t.groups[receiver].module
+            ns = to_ns(p2p_time(self.boundary_bytes(module), bw[:, None], lat[:, None]))
+            out.table[ops, slots, :len(bw)] = ns[:, mb].T
+        return out
 
-    def _bridge(self, op) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Image embeddings from encoder replica j to LLM replica r (and gradients back)."""
-        plan, m, k = self.b.plan, self.b.m, op.action.microbatch
-        enc_dp, llm_dp = plan.encoder.dp, plan.llm.dp
-        mask = (self.assignment % m) == k
-        key = self.chunk[mask] * llm_dp + self.assignment[mask] // m
-        tokens = np.bincount(key, weights=self.batch.image_tokens[mask].astype(float),
-                             minlength=enc_dp * llm_dp).reshape(enc_dp, llm_dp)
-        j, r = np.nonzero(tokens)
-        nbytes = tokens[j, r] * self.b.model.llm.hidden * self.b.training.activation_bytes
-        bw, lat = self.b.bridge_links
-        ns = to_ns(p2p_time(nbytes, bw[j, r], lat[j, r]))
-        src, dst = (j, r) if op.action.kind is Kind.F else (r, j)
-        return src.astype(np.int64), dst.astype(np.int64), ns
+    def _bridges(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        """Per op with a bridge input: image embeddings from encoder replica j to LLM replica r (and
+        gradients back), (source replicas, destination replicas, ns), the pairs that carry any."""
+        b = self.b
+        out: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * len(b.t.ops)
+        if not b.bridged:
+            return out
+        m, enc_dp, llm_dp = b.m, b.plan.encoder.dp, b.plan.llm.dp
+        key = ((self.assignment % m) * enc_dp + self.chunk) * llm_dp + self.assignment // m
+        tokens = np.bincount(key, weights=self.batch.image_tokens.astype(float),
+                             minlength=m * enc_dp * llm_dp).reshape(m, enc_dp, llm_dp)
+        bw, lat = b.bridge_links
+        pairs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for i in b.bridged:
+            action = b.t.ops[i].action
+            k = action.microbatch
+            if k not in pairs:
+                j, r = np.nonzero(tokens[k])
+                nbytes = tokens[k][j, r] * b.model.llm.hidden * b.training.activation_bytes
+                pairs[k] = (j.astype(np.int64), r.astype(np.int64), to_ns(p2p_time(nbytes, bw[j, r], lat[j, r])))
+            j, r, ns = pairs[k]
+            out[i] = (j, r, ns) if action.kind is Kind.F else (r, j, ns)
+        return out
+
+
+class OpInfo(Sequence):
+    """Per op, the shape of the work it ran (samples, tokens, tiles per replica), read on demand
+    from its group's (replicas, microbatches) tables: only traces and step graphs ask."""
+
+    def __init__(self, template: Template, tables: list[dict[str, np.ndarray]]) -> None:
+        self.t, self.tables = template, tables
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:  # type: ignore[override]
+        op = self.t.ops[i]
+        return {name: v[:, op.action.microbatch] for name, v in self.tables[op.group].items()}
+
+    def __len__(self) -> int:
+        return len(self.t.ops)

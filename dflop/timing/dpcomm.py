@@ -40,6 +40,7 @@ from dflop.cost.protocol import CostModel, StageSpec
 from dflop.cost.overlap import bucket_lag, bucket_slowdown, unit_chain
 from dflop.program.actions import Kind
 from dflop.program.collectives import CollectiveSpec
+from dflop.timing.perop import PerOp
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import MODULES, Module, Plan
@@ -171,7 +172,7 @@ def group_comm(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: Clu
     return GroupComm(reduce, gather, buckets, None)
 
 
-def reduction(spec: CollectiveSpec, comm: GroupComm, duration: list[np.ndarray], slowdown: float) -> TimedCollective:
+def reduction(spec: CollectiveSpec, comm: GroupComm, duration: PerOp, slowdown: float) -> TimedCollective:
     """Price a REDUCE_GRAD and slow its anchor's ``duration`` (ns, per replica) in place (an
     ``inline`` one lengthens it by its whole time, and takes none of its own after it)."""
     seconds = comm.reduce + (comm.gather if spec.last else 0.0)

@@ -46,7 +46,7 @@ def with_overlap(timing: StepTiming, overlap: Overlap | str) -> StepTiming:
     durations add up to exactly ``max(F, B)``)."""
     if Overlap.of(overlap) is Overlap.SEQUENTIAL:
         return timing
-    duration = list(timing.duration)
+    duration = timing.duration.copy()
     for op in timing.template.ops:
         if op.overlap > op.index:
             a, b = duration[op.index], duration[op.overlap]
