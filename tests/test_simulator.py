@@ -14,11 +14,12 @@ from dflop.timing.costing import bin_shapes, stage_times_timing
 from dflop.timing.costs import graph_costs, longest_path
 from dflop.timing.evaluate import evaluate, summarize
 from dflop.timing.overlap import Overlap, with_overlap
+from dflop.timing.perop import PerOp
 from dflop.program.schedules import build
 from dflop.program.lowering import lower
 from dflop.program.stepgraph import Stream
 from dflop.timing.steps import CostedPlan
-from dflop.program.template import build_template
+from dflop.program.template import build_template, program_for, waits_for
 from dflop.sim import execute, simulate_pipeline
 from dflop.sim.simulate import simulate_steps
 from dflop.specs import ModulePlan, Plan, TrainingSpec
@@ -168,6 +169,33 @@ def test_three_evaluators_agree_on_full_plans(model, cluster, builder_setup, pla
     crowded = execute(step.graph, step.costs, contention=True)
     assert crowded.makespan >= fast.step_ns
     assert_valid_execution(step.graph, step.costs, crowded.start, crowded.end, contention=True)
+
+
+@given(plans)
+def test_waves_hold_every_op_once_after_all_it_waits_for_and_one_op_of_a_group_each(model, cluster, plan):
+    """What lets the fast evaluator time a wave at once: nothing in a wave waits for anything in it
+    or later, and a group's ops (and so its collectives) come in program order, one per wave."""
+    assume(not plan.problems(cluster, model, 128))
+    t = build_template(plan, program_for(plan)[0])
+    wave_of = {}
+    for w, wave in enumerate(t.waves):
+        groups = [t.ops[i].group for i in wave.ops]
+        assert len(set(groups)) == len(groups)
+        wave_of.update({int(i): w for i in wave.ops})
+    assert sorted(wave_of) == list(range(len(t.ops)))
+    for op in t.ops:
+        prev, data, bridge = waits_for(op, t.ops)
+        assert all(wave_of[d] < wave_of[op.index] for d in (prev, bridge, *data) if d >= 0)
+        assert t.wave_position[op.index][0] == wave_of[op.index]
+
+
+def test_per_op_rows_are_their_groups_replicas_of_one_padded_table():
+    values = PerOp.of([np.array([1, 2]), np.array([3]), np.array([4, 5, 6])])
+    assert [row.tolist() for row in values] == [[1, 2], [3], [4, 5, 6]] and len(values) == 3
+    values[1] = np.array([7])
+    copy = values.copy()
+    copy[0] = np.array([8, 9])
+    assert values.table.tolist() == [[1, 2, 0], [7, 0, 0], [4, 5, 6]] and copy[0].tolist() == [8, 9]
 
 
 # One replica each: a gradient reduction would slow the backward it overlaps, which differs
