@@ -190,7 +190,7 @@ def test_waves_hold_every_op_once_after_all_it_waits_for_and_one_op_of_a_group_e
 
 
 def test_per_op_rows_are_their_groups_replicas_of_one_padded_table():
-    values = PerOp.of([np.array([1, 2]), np.array([3]), np.array([4, 5, 6])])
+    values = PerOp(np.array([[1, 2, 0], [3, 0, 0], [4, 5, 6]]), [2, 1, 3])
     assert [row.tolist() for row in values] == [[1, 2], [3], [4, 5, 6]] and len(values) == 3
     values[1] = np.array([7])
     copy = values.copy()

@@ -101,6 +101,11 @@ class Template:
         return self.encoder_stages == 0
 
     @cached_property
+    def dep_slots(self) -> int:
+        """The most data dependencies of any op."""
+        return max((len(op.deps) for op in self.ops), default=0)
+
+    @cached_property
     def group_ops(self) -> tuple[np.ndarray, ...]:
         """Each group's op indices, in program order."""
         groups = np.array([op.group for op in self.ops], dtype=np.int64)
@@ -121,10 +126,9 @@ class Template:
         members: list[list[int]] = [[] for _ in range(max(wave, default=-1) + 1)]
         for i in self.order:
             members[wave[i]].append(i)
-        slots = max((len(op.deps) for op in self.ops), default=0)
         out = []
         for ops in members:
-            table = np.full((len(ops), 1 + slots), n, dtype=np.int64)
+            table = np.full((len(ops), 1 + self.dep_slots), n, dtype=np.int64)
             for row, i in enumerate(ops):
                 prev, data, _ = waits[i]
                 table[row, 0] = prev if prev >= 0 else n

@@ -80,7 +80,7 @@ def stage_times_timing(template: Template, fwd: np.ndarray, bwd_input: np.ndarra
     n, groups = len(template.ops), len(template.groups)
     width = [1] * n
     duration = PerOp.zeros(width, np.int64)
-    dep_comm = PerOp.zeros(width, np.int64, (max((len(op.deps) for op in template.ops), default=0),))
+    dep_comm = PerOp.zeros(width, np.int64, (template.dep_slots,))
     for op in template.ops:
         a = op.action
         duration[op.index] = fields[a.kind][a.stage, a.microbatch]
@@ -164,7 +164,6 @@ class TimingBuilder:
                           for key, rows in edges.items()}
         """Per (group sending, group receiving): (op, dependency slot, microbatch) of every transfer."""
         self.width = [template.groups[op.group].replicas for op in template.ops]
-        self.slots = max((len(op.deps) for op in template.ops), default=0)
         self.columns = [(np.array([template.ops[i].stage for i in ops]),
                          np.array([template.ops[i].action.kind.value for i in ops]),
                          np.array([template.ops[i].action.microbatch for i in ops], dtype=np.int64))
@@ -347,7 +346,7 @@ class _Costing:
         """Transfer ns of every dependency: over the link between two groups, none within one
         (and none into a W, whose input is its own B's)."""
         b = self.b
-        out = PerOp.zeros(b.width, np.int64, (b.slots,))
+        out = PerOp.zeros(b.width, np.int64, (b.t.dep_slots,))
         for (sender, receiver), (ops, slots, mb) in b.transfers.items():
             bw, lat = b.links[(sender, receiver)]
             module = b.t.groups[receiver].module

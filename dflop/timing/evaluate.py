@@ -4,8 +4,8 @@ Each op starts when its predecessor on the same worker and all its data
 dependencies (plus their transfer times) have finished; walking the template's
 waves (``Template.waves``: ops that wait only for earlier waves) with one
 (ops, replicas) array per wave gives every replica of a wave's ops its times at
-once, in far fewer numpy calls than there are ops. A group's data-parallel collectives run on one stream shared by
-its replicas, so each is a scalar: an UNSHARD starts once the stream is free and
+once, in far fewer numpy calls than there are ops. A group's data-parallel
+collectives run on one stream shared by its replicas, so each is a scalar: an UNSHARD starts once the stream is free and
 every replica finished its previous op, and its op waits for it; a REDUCE_GRAD
 starts once the stream is free and ``lag`` after its anchor started on every
 replica. Without link contention this is exactly what the SimPy simulator
@@ -120,7 +120,8 @@ def peak_memory(timing: StepTiming) -> list[np.ndarray]:
     for g, ops in zip(t.groups, t.group_ops):
         alloc = timing.alloc.table[ops, :g.replicas]
         free = timing.free.table[ops, :g.replicas]
-        held_while_running = np.cumsum(alloc - free, axis=0) + free + timing.transient.table[ops, :g.replicas]
+        transient = timing.transient.table[ops, :g.replicas]
+        held_while_running = np.cumsum(alloc, axis=0) - np.cumsum(free, axis=0) + free + transient
         peaks.append(timing.static_bytes[g.index] + held_while_running.max(axis=0))
     return peaks
 

@@ -27,16 +27,6 @@ class PerOp(Sequence):
     def zeros(cls, width: Sequence[int], dtype=float, inner: tuple[int, ...] = ()) -> "PerOp":
         return cls(np.zeros((len(width), *inner, max(width, default=0)), dtype=dtype), width)
 
-    @classmethod
-    def of(cls, rows: Sequence[np.ndarray], dtype=None) -> "PerOp":
-        """A table from rows of their own lengths."""
-        width = [len(r) for r in rows]
-        dtype = dtype or (np.result_type(*rows) if len(rows) else float)
-        out = cls.zeros(width, dtype)
-        for i, r in enumerate(rows):
-            out.table[i, :width[i]] = r
-        return out
-
     def __getitem__(self, i: int) -> np.ndarray:  # type: ignore[override]
         return self.table[i, ..., :self.width[i]]
 
