@@ -64,6 +64,7 @@ def test_scaling_costs_scales_the_makespan(problem, solver, k):
     assert b.makespan == k * a.makespan
 
 
+@pytest.mark.processes  # the auto solver's ILP runs in a forked process
 @given(problems(), st.sampled_from(FAST))
 def test_same_seed_same_result(problem, solver):
     run = {"seed": 5, "time_limit": 10, "node_limit": NODES}
