@@ -155,6 +155,8 @@ def worker(out: Path, rounds: int, samples: int) -> None:
     lengths = [len(item["input_ids"]) for item in items]
     (out / f"rank-{rank}.json").write_text(json.dumps({"marks": marks, "lengths": lengths,
                                                        "images": [len(i.get("image_sizes", [])) for i in items]}))
+    torch.distributed.barrier()  # gloo torn down at interpreter exit instead may abort a finished rank
+    torch.distributed.destroy_process_group()
 
 
 # ---- the driver -----------------------------------------------------------------------------------

@@ -91,3 +91,7 @@ def main(out, phase):
 if __name__ == "__main__":
     for phase in sys.argv[2:]:
         main(Path(sys.argv[1]), phase)
+    # Left to interpreter exit, gloo's threads may be torn down mid-use: "terminate called without
+    # an active exception", SIGABRT, a failed launch after a successful run.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
