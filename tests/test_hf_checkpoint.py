@@ -7,9 +7,9 @@ What matches and what does not (dflop's image-token layout): a LLaVA-OneVision m
 sample's images are one tile each, 16 features then the image newline; dflop's ``layout`` puts a
 sample's newline rows after all its tiles' features, so a sample of several images is laid out
 differently. The tests hold the encoder, the projector and the newline of each image, and the LLM
-on those images in LLaVA-OneVision's order, against transformers. A single image (anyres grid,
-unpadding, bilinear downsampling, a newline per row) and a video (2x2 bilinear pooling of each
-frame, one newline after the video) are not what dflop's layout computes, and are not tested.
+on those images in LLaVA-OneVision's order, against transformers. Real images (a single image's
+anyres grid, unpadding, bilinear downsampling, a newline per row) are laid out by
+``anyres_layout`` and held against transformers in ``test_real_images.py``; video is not built.
 """
 
 from __future__ import annotations

@@ -12,11 +12,14 @@ pixels for its tiles and random token ids for its text, from its id. The image
 tokens the LLM sees are the projector's outputs for the sample's tiles laid out
 to the sample's image-token count (first rows kept; a learned newline vector
 fills rows beyond the tiles' features, as LLaVA's row newlines do): the tile
-and token counts, hence the work, are exactly those the cost model prices.
+and token counts, hence the work, are exactly those the cost model prices. Real samples (a
+checkpoint and a dataset) bring their own token ids and their images' tiles, laid out as
+LLaVA-OneVision lays them out (:func:`anyres_layout`), where their conversation places them.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -30,6 +33,7 @@ from dflop.models.vit import PatchEmbed, Projector, VisionBlock
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module
 from dflop.workload.chat import Encoded
+from dflop.workload.pixels import ImageRef
 
 from dflop.backends.torch_runtime.recompute import BlockRunner
 
@@ -78,17 +82,57 @@ class EncoderStage(nn.Module):
         self.run_block: BlockRunner | None = None
         """How each block is called (activation recomputation, ``recompute.py``); None: plainly."""
 
-    def forward(self, x: torch.Tensor, tiles: list[int] | None = None,
-                image_tokens: list[int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tiles: list[int] | None = None, image_tokens: list[int] | None = None,
+                images: list[tuple[ImageRef, ...]] | None = None) -> torch.Tensor:
         """Pixels (first) or features (tiles, patches, hidden) -> features, or (last) image tokens
-        (sum of image_tokens, LLM hidden) in sample order."""
+        (sum of image_tokens, LLM hidden) in sample order: real samples' ``images`` as
+        LLaVA-OneVision lays them out, synthetic ones by :func:`layout`."""
         if self.embed is not None:
             x = self.embed(x)
         for block in self.blocks.values():
             x = block(x) if self.run_block is None else self.run_block(block, x)
         if self.projector is None:
             return x
+        if images is not None:
+            return anyres_layout(self.projector(x), [im for sample in images for im in sample], self.newline)
         return layout(self.projector(x), tiles, image_tokens, self.newline)
+
+
+def anyres_layout(features: torch.Tensor, images: list[ImageRef], newline: torch.Tensor) -> torch.Tensor:
+    """(tiles, tokens per tile, H) -> (image tokens, H), image by image as LLaVA-OneVision's
+    ``pack_image_features`` lays them out: a sample's only image is its base tile's features, then
+    its grid's feature map unpadded to the image's aspect, bilinearly shrunk to at most
+    ``anyres_max`` tiles' worth, a newline closing every row; an image of several is its one
+    tile's features and a newline."""
+    side = math.isqrt(features.shape[1])
+    out, start = [newline[None][:0]], 0  # (the newline in the graph even with no image: FSDP reduces its gradient)
+    for image in images:
+        tiles = features[start:start + image.tiles]
+        start += image.tiles
+        if not image.alone:
+            out += [tiles[0], newline[None].to(tiles.dtype)]
+            continue
+        cols, rows = image.grid
+        grid = tiles[1:].reshape(rows, cols, side, side, -1).permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)
+        grid = unpad(grid, image.height, image.width)
+        channels, height, width = grid.shape
+        ratio = math.sqrt(height * width / (image.rule.tiling.anyres_max * side ** 2))
+        if ratio > 1.1:
+            grid = F.interpolate(grid[None], [int(height // ratio), int(width // ratio)], mode="bilinear")[0]
+        rows_end = newline[:, None, None].to(grid.dtype).expand(channels, grid.shape[1], 1)
+        out += [tiles[0], torch.cat([grid, rows_end], dim=-1).flatten(1, 2).transpose(0, 1)]
+    return torch.cat(out)
+
+
+def unpad(grid: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The (C, H, W) feature map without the rows or columns that padded the image to its grid
+    (LLaVA-NeXT's ``unpad_image``, its rounding included)."""
+    current_h, current_w = grid.shape[1:]
+    if width / height > current_w / current_h:
+        pad = (current_h - int(round(height * (current_w / width), 7))) // 2
+        return grid[:, pad:current_h - pad, :]
+    pad = (current_w - int(round(width * (current_h / height), 7))) // 2
+    return grid[:, :, pad:current_w - pad]
 
 
 def layout(features: torch.Tensor, tiles: list[int], image_tokens: list[int], newline: torch.Tensor) -> torch.Tensor:
@@ -121,20 +165,23 @@ class Sequence:
     labels: torch.Tensor
 
 
-def pack_sequence(image_tokens: list[int], text: list[torch.Tensor],
-                  targets: list[np.ndarray] | None = None) -> Sequence:
-    """Each sample is its image tokens then its text tokens; a text token is predicted from the
-    position before it (the last image token for the first text token). With ``targets`` (a bool
-    per text token of each sample: real samples' assistant tokens) only those are predicted."""
+def pack_sequence(image_tokens: list[int], text: list[torch.Tensor], targets: list[np.ndarray] | None = None,
+                  layouts: list[np.ndarray] | None = None) -> Sequence:
+    """Each sample is its image tokens then its text tokens, or (``layouts``: a bool per position
+    of each sample, True where an image token goes) interleaved as its conversation places them;
+    a text token is predicted from the position before it, whatever that holds. With ``targets``
+    (a bool per text token of each sample: real samples' assistant tokens) only those are predicted."""
     img, txt, lab_rows, labels = [], [], [], []
     offset = 0
     for s, (m, tokens) in enumerate(zip(image_tokens, text)):
         n = len(tokens)
-        img.append(np.arange(offset, offset + m))
-        txt.append(np.arange(offset + m, offset + m + n))
-        first = 0 if m > 0 else 1
-        predicted = np.arange(first, n) if targets is None else first + np.flatnonzero(targets[s][first:])
-        lab_rows.append(offset + m + predicted - 1)
+        media = layouts[s] if layouts is not None else np.arange(m + n) < m
+        at = np.flatnonzero(~media)  # each text token's position in the sample
+        img.append(offset + np.flatnonzero(media))
+        txt.append(offset + at)
+        chosen = np.ones(n, dtype=bool) if targets is None else targets[s]
+        predicted = np.flatnonzero(chosen & (at > 0))
+        lab_rows.append(offset + at[predicted] - 1)
         labels.append(tokens[torch.from_numpy(predicted)])
         offset += m + n
     cat = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64)) if parts else torch.zeros(0, dtype=torch.long)  # noqa: E731
@@ -184,11 +231,15 @@ def sample_inputs(seed: int, sample_id: str, tiles: int, text_tokens: int, image
                   need_pixels: bool = True, text: dict[str, Encoded] | None = None,
                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(pixels (tiles, 3, size, size) or None, text token ids) of one sample, from its id: its real
-    tokens where ``text`` has them (by id), else synthetic ones drawn from the id."""
+    tokens and its images' tiles where ``text`` has them (by id), else synthetic ones drawn from the id."""
+    if text is not None:
+        real, pixels = text[sample_id], None
+        if need_pixels:
+            tiles_of = [image.pixels(sample_id) for image in real.images]
+            pixels = torch.from_numpy(np.concatenate(tiles_of)) if tiles_of else torch.zeros(0, 3, image_size, image_size)
+        return pixels, torch.from_numpy(real.ids[real.text])
     g = torch.Generator().manual_seed(stable_seed(seed, f"sample:{sample_id}"))
     tokens = torch.randint(0, vocab, (int(text_tokens),), generator=g)
-    if text is not None:  # (after the draw: the pixels stay those of the id)
-        tokens = torch.from_numpy(text[sample_id].ids)
     pixels = torch.randn(int(tiles), 3, image_size, image_size, generator=g) if need_pixels else None
     return pixels, tokens
 

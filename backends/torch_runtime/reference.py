@@ -59,10 +59,14 @@ def reference_training(model: MLLMSpec, batches: list[SampleTable], options: Tor
                 pixels.append(p)
             text.append(tok)
         has = batch.tiles > 0
+        encoded = [real[str(i)] for i in batch.ids] if real is not None else None
         image = encoder(torch.cat(pixels).to(dtype), [int(t) for t in batch.tiles[has]],
-                        [int(m) for m in batch.image_tokens[has]]) if pixels else None
-        masks = [real[str(i)].targets for i in batch.ids] if real is not None else None
-        seq = pack_sequence([int(m) for m in batch.image_tokens], text, masks)
+                        [int(m) for m in batch.image_tokens[has]],
+                        [e.images for e, h in zip(encoded, has) if h] if encoded is not None else None) \
+            if pixels else None
+        masks = [e.targets[e.text] for e in encoded] if encoded is not None else None
+        seq = pack_sequence([int(m) for m in batch.image_tokens], text, masks,
+                            [~e.text for e in encoded] if encoded is not None else None)
         positions, cu = pack(seq.lengths)
         loss = llm(image, seq, positions, cu, text=torch.cat(text),
                    loss_scale=1.0 / max(target_tokens(batch, real), 1))

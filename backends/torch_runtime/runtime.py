@@ -300,7 +300,7 @@ class RankStep:
 
     def _make_sequence(self, rows: np.ndarray) -> tuple[Sequence, torch.Tensor, torch.Tensor, torch.Tensor]:
         _, text = self.inputs_of(rows, pixels=False)
-        seq = pack_sequence(self.data.image_tokens(rows), text, self.data.target_masks(rows))
+        seq = pack_sequence(self.data.image_tokens(rows), text, self.data.target_masks(rows), self.data.layouts(rows))
         positions, cu = pack(seq.lengths, device=self.w.device) if seq.lengths else (
             torch.zeros(0, dtype=torch.long, device=self.w.device), torch.zeros(1, dtype=torch.int32,
                                                                                   device=self.w.device))
@@ -398,7 +398,8 @@ class RankStep:
             if not len(enc_rows) and not self.w.strategy.runs_as_fsdp2:
                 return None, []
             pixels, _ = self.inputs_of(enc_rows, pixels=True)
-            return self.w.colocated_encoder(pixels, self.data.tiles(enc_rows), self.data.image_tokens(enc_rows)), []
+            return self.w.colocated_encoder(pixels, self.data.tiles(enc_rows), self.data.image_tokens(enc_rows),
+                                            self.data.images(enc_rows)), []
         total = int(self.data.batch.image_tokens[rows].sum())
         image = torch.zeros(total, self.hidden[Module.LLM], device=self.w.device, dtype=self.dtype)
         leaves = {}
@@ -435,7 +436,7 @@ class RankStep:
             else:
                 x = self.stage_input(n, module, s, k)
                 inputs = [x]
-            out = stage(x, self.data.tiles(rows), self.data.image_tokens(rows))
+            out = stage(x, self.data.tiles(rows), self.data.image_tokens(rows), self.data.images(rows))
         self.saved[(s, k)] = (inputs, out)
         self.outputs[(s, k)] = out
 

@@ -18,6 +18,7 @@ import numpy as np
 from dflop.program.routing import encoder_replicas
 from dflop.specs.plan import Plan
 from dflop.workload.chat import Encoded
+from dflop.workload.pixels import ImageRef
 from dflop.workload.sample import SampleTable
 
 
@@ -68,8 +69,20 @@ class StepData:
     def text_tokens(self, rows: np.ndarray) -> list[int]:
         return [int(x) for x in self.batch.text_tokens[rows]]
 
+    def real(self, rows: np.ndarray) -> list[Encoded] | None:
+        return None if self.text is None else [self.text[str(i)] for i in self.batch.ids[rows]]
+
     def target_masks(self, rows: np.ndarray) -> list[np.ndarray] | None:
-        return None if self.text is None else [self.text[str(i)].targets for i in self.batch.ids[rows]]
+        """Real samples: a bool per text token, True for a target."""
+        return None if self.text is None else [e.targets[e.text] for e in self.real(rows)]
+
+    def layouts(self, rows: np.ndarray) -> list[np.ndarray] | None:
+        """Real samples: a bool per position, True where an image token goes (None: images first)."""
+        return None if self.text is None else [~e.text for e in self.real(rows)]
+
+    def images(self, rows: np.ndarray) -> list[tuple[ImageRef, ...]] | None:
+        """Real samples: each one's images, whose tiles the encoder lays out as the checkpoint does."""
+        return None if self.text is None else [e.images for e in self.real(rows)]
 
     @cached_property
     def targets(self) -> int:
@@ -79,7 +92,7 @@ class StepData:
 def target_tokens(batch: SampleTable, text: dict[str, Encoded] | None = None) -> int:
     """Target tokens of a global batch. The loss is summed and divided by this, so every token
     weighs the same whatever bin it landed in. Real samples: the predicted targets (a sample's
-    first token has nothing before it to be predicted from when it has no image)."""
+    first token has nothing before it to be predicted from)."""
     if text is None:
         return int(batch.targets.sum())
-    return sum(int(text[str(i)].targets[0 if m > 0 else 1:].sum()) for i, m in zip(batch.ids, batch.image_tokens))
+    return sum(text[str(i)].predicted for i in batch.ids)

@@ -92,7 +92,7 @@ class Setup:
 def load_data(config: RunConfig) -> tuple[SampleTable, str]:
     d = config.data
     if config.real_samples:  # counted as the torch backend feeds them: rendered by the chat template
-        tokens = ChatCounter(load_chat(config.checkpoint))
+        tokens = ChatCounter(load_chat(config.checkpoint), tiling=config.encoder.tiling)
         return read_manifest(d.dataset, config.encoder, tokenizer=tokens).samples, f"dataset {d.dataset}, {tokens.name}"
     if d.dataset:
         return read_manifest(d.dataset, config.encoder).samples, f"dataset {d.dataset}"

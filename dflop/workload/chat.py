@@ -23,12 +23,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from dflop.errors import DflopError
-from dflop.specs.models import EncoderSpec
+from dflop.specs.models import EncoderSpec, TilingSpec
 from dflop.workload.manifest import read_manifest
 from dflop.workload.sample import SampleTable
-from dflop.workload.schemas import Parsed
+from dflop.workload.pixels import ImageRef, ImageRule, image_refs, load_image_rule
+from dflop.workload.schemas import IMAGE, Parsed
 from dflop.workload.tokens import TokenCounter, load_tokenizer
 
+USER = "user"
 ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
 """Role names the manifest formats use (LLaVA's from: human/gpt, ShareGPT's role), as the template's."""
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -36,11 +38,25 @@ SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 @dataclass(frozen=True)
 class Encoded:
-    """One sample's token ids and which of them are targets."""
+    """One sample's token ids and which of them are targets; with images, the image token
+    repeated where each image's features go (``media``) and the images themselves."""
 
     ids: np.ndarray
     targets: np.ndarray
     """Bool per token."""
+    media: np.ndarray | None = None
+    """Bool per token: an image feature takes this position (None: no image)."""
+    images: tuple[ImageRef, ...] = ()
+
+    @property
+    def text(self) -> np.ndarray:
+        """Bool per token: a text token (the LLM embeds its id)."""
+        return np.ones(len(self.ids), dtype=bool) if self.media is None else ~self.media
+
+    @property
+    def predicted(self) -> int:
+        """Target tokens the loss counts: those with a position before them."""
+        return int(self.targets[1:].sum())
 
 
 @dataclass(frozen=True)
@@ -54,13 +70,18 @@ class ChatTemplate:
     name: str
     specials: frozenset[str] = frozenset()
     """The tokenizer's special added tokens (an assistant turn must end with one)."""
+    folder: Path = Path(".")
+    image_token: int | None = None
+    """The id ``<image>`` tokenizes to, where config.json names it the image token (a vision-language
+    checkpoint); None: the checkpoint takes no images."""
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
         return self.template.render(messages=messages, add_generation_prompt=generation_prompt, **self.variables)
 
-    def encode(self, messages: list[dict[str, str]], where: str) -> Encoded:
-        """The ids and targets of ``messages``; a template that fails, or that renders an assistant
-        turn without its content and an end-of-turn token after it, is an error naming ``where``."""
+    def encode(self, messages: list[dict[str, str]], where: str, images: tuple[ImageRef, ...] = ()) -> Encoded:
+        """The ids and targets of ``messages``, each ``<image>`` repeated to its image's tokens (as the
+        checkpoint's processor expands it); a template that fails, or that renders an assistant turn
+        without its content and an end-of-turn token after it, is an error naming ``where``."""
         import jinja2
 
         try:
@@ -80,7 +101,20 @@ class ChatTemplate:
                                  "special token")
             targets |= content
             targets[after[0]] = True
-        return Encoded(np.asarray(enc.ids, dtype=np.int64), targets)
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        return self._expand(ids, targets, images, where) if images else Encoded(ids, targets)
+
+    def _expand(self, ids: np.ndarray, targets: np.ndarray, images: tuple[ImageRef, ...], where: str) -> Encoded:
+        at = np.flatnonzero(ids == self.image_token)
+        if len(at) != len(images):
+            raise DflopError(f"{where}: {self.name}: renders {len(at)} image token(s) for {len(images)} image(s)")
+        if targets[at].any():
+            raise DflopError(f"{where}: an <image> placeholder in an assistant turn (images are the model's input)")
+        repeat = np.ones(len(ids), dtype=np.int64)
+        repeat[at] = [image.tokens for image in images]
+        media = np.zeros(len(ids), dtype=bool)
+        media[at] = True
+        return Encoded(np.repeat(ids, repeat), np.repeat(targets, repeat), np.repeat(media, repeat), images)
 
     def _span(self, messages: list[dict[str, str]], i: int, text: str, where: str) -> tuple[int, int]:
         """Characters of assistant message i's content in ``text`` (the whole rendering): found after
@@ -123,7 +157,26 @@ def load_chat(folder: str | Path) -> ChatTemplate:
         raise DflopError(f"{folder}: no chat template (tokenizer_config.json's chat_template or chat_template.jinja)")
     variables = {k: t for k in SPECIAL if (t := _token(config.get(k))) is not None}
     specials = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
-    return ChatTemplate(_compile(source, folder), tokenizer, variables, f"chat template of {folder}", specials)
+    return ChatTemplate(_compile(source, folder), tokenizer, variables, f"chat template of {folder}", specials,
+                        folder, _image_token(folder, tokenizer))
+
+
+def _image_token(folder: Path, tokenizer: Any) -> int | None:
+    """The id of ``<image>``, where config.json names an image token (a vision-language checkpoint)
+    and the tokenizer agrees with it."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DflopError(f"{path}: not JSON ({exc})") from None
+    named = next((config[k] for k in ("image_token_index", "image_token_id") if k in config), None) \
+        if isinstance(config, dict) else None
+    if named is None:
+        return None
+    if tokenizer.token_to_id(IMAGE) != named:
+        raise DflopError(f"{folder}: config.json's image token is id {named}, but tokenizer.json gives {IMAGE} "
+                         f"the id {tokenizer.token_to_id(IMAGE)}")
+    return int(named)
 
 
 def _compile(source: str, folder: Path) -> Any:
@@ -161,9 +214,10 @@ def _compile(source: str, folder: Path) -> Any:
 
 def messages_of(entry: Any, parsed: Parsed, where: str) -> list[dict[str, str]]:
     """The entry's turns with their roles (a system prompt the reader put first is the system turn).
-    Only text conversations: images and video are not tokenized here."""
-    if parsed.images or parsed.videos:
-        raise DflopError(f"{where}: has images or video: real samples are text-only conversations for now "
+    An entry with images keeps its ``<image>`` placeholders where it wrote them; one that wrote none
+    has them put before its first user turn, one per image (LLaVA's rule)."""
+    if parsed.videos:
+        raise DflopError(f"{where}: has video: real samples are text and images for now "
                          "(data: {synthetic: true} trains on synthetic inputs)")
     conv = next((entry[k] for k in ("messages", "conversations", "conversation") if isinstance(entry.get(k), list)), [])
     system = len(parsed.turns) - len(conv)
@@ -175,28 +229,52 @@ def messages_of(entry: Any, parsed: Parsed, where: str) -> list[dict[str, str]]:
         roles.append(ROLES[role])
     if system not in (0, 1) or len(roles) != len(parsed.turns):
         raise DflopError(f"{where}: its turns are not a conversation of roles dflop can render")
-    return [{"role": r, "content": t} for r, t in zip(roles, parsed.turns)]
+    contents = list(parsed.turns)
+    if parsed.images:
+        written = [turn.get("value", turn.get("content")) for turn in conv]
+        if not all(isinstance(text, str) for text in written):
+            raise DflopError(f"{where}: images with turns that are not plain text: real samples take LLaVA's and "
+                             "ShareGPT's text turns with <image> placeholders for now")
+        placed = sum(text.count(IMAGE) for text in written)
+        if placed == 0 and USER in roles:
+            first = roles.index(USER) - system
+            written[first] = (IMAGE + "\n") * len(parsed.images) + written[first]
+        elif placed != len(parsed.images):
+            raise DflopError(f"{where}: {placed} <image> placeholder(s) for {len(parsed.images)} image(s)")
+        contents[system:] = written
+    return [{"role": r, "content": t} for r, t in zip(roles, contents)]
 
 
 class ChatCounter(TokenCounter):
-    """Counts each entry's tokens as the checkpoint's chat template renders it, keeping the encodings
-    in reading order when asked to (the torch backend trains on them)."""
+    """Counts each entry's text tokens as the checkpoint's chat template renders it (its images'
+    tokens are the tiling rule's to count), keeping the encodings in reading order when asked to
+    (the torch backend trains on them). ``tiling``: the encoder's, where the entries hold images."""
 
-    def __init__(self, chat: ChatTemplate, keep: bool = False) -> None:
+    def __init__(self, chat: ChatTemplate, keep: bool = False, tiling: TilingSpec | None = None) -> None:
         super().__init__(chat.tokenizer, chat.name)
-        self.chat = chat
+        self.chat, self.tiling = chat, tiling
         self.encoded: list[Encoded] | None = [] if keep else None
+        self._rule: ImageRule | None = None
 
-    def entry(self, entry: Any, parsed: Parsed, where: str) -> Any:
-        return where, messages_of(entry, parsed, where)
+    def entry(self, entry: Any, parsed: Parsed, where: str, images: list[tuple[Path, tuple[int, int]]] = ()) -> Any:
+        messages = messages_of(entry, parsed, where)
+        return where, messages, image_refs(list(images), self.rule(where)) if images else ()
+
+    def rule(self, where: str) -> ImageRule:
+        if self.chat.image_token is None or self.tiling is None:
+            raise DflopError(f"{where}: has images, but {self.chat.folder} is not a vision-language checkpoint "
+                             "(its config.json names no image token)")
+        if self._rule is None:
+            self._rule = load_image_rule(self.chat.folder, self.tiling)
+        return self._rule
 
     def count(self, entries: list[Any]) -> list[int]:
         out = []
-        for where, messages in entries:
-            encoded = self.chat.encode(messages, where)
+        for where, messages, images in entries:
+            encoded = self.chat.encode(messages, where, images)
             if self.encoded is not None:
                 self.encoded.append(encoded)
-            out.append(len(encoded.ids))
+            out.append(int(encoded.text.sum()))
         return out
 
 
@@ -208,10 +286,15 @@ def encode_dataset(path: str | Path, encoder: EncoderSpec, chat: ChatTemplate,
                    batches: Sequence[SampleTable]) -> list[dict[str, Encoded]]:
     """Each batch's samples of the dataset ``path`` as ``chat`` renders and tokenizes them, by id:
     read as the data profiler reads it (same ids, same counts)."""
-    tokens = ChatCounter(chat, keep=True)
-    ids = read_manifest(path, encoder, tokenizer=tokens).samples.ids
-    assert tokens.encoded is not None and len(tokens.encoded) == len(ids)
-    by_id = dict(zip((str(i) for i in ids), tokens.encoded))
+    tokens = ChatCounter(chat, keep=True, tiling=encoder.tiling)
+    table = read_manifest(path, encoder, tokenizer=tokens).samples
+    assert tokens.encoded is not None and len(tokens.encoded) == len(table)
+    for i, encoded in enumerate(tokens.encoded):  # the profile's rule and the processor's tiles: one count
+        if (sum(im.tiles for im in encoded.images), int(encoded.media.sum()) if encoded.images else 0) \
+                != (table.tiles[i], table.image_tokens[i]):
+            raise DflopError(f"{path}: sample {table.ids[i]!r}: its images' tiles and tokens differ from the data "
+                             "profile's (a preference pair or video: not trained on real samples yet)")
+    by_id = dict(zip((str(i) for i in table.ids), tokens.encoded))
     out = []
     for batch in batches:
         step = {}

@@ -200,7 +200,8 @@ class _Reader:
                               parsed.copies)
             positions.append(index)
             if batched:
-                pending.append((row, self.tokens.entry(raw, parsed, where)))
+                files = [(ctx.image_root / image, size) for image, size in zip(parsed.images, sizes)]
+                pending.append((row, self.tokens.entry(raw, parsed, where, files)))
                 if len(pending) >= TOKENIZE_CHUNK:
                     self._tokenize(columns, pending)
             self.read += 1

@@ -41,8 +41,9 @@ class TokenCounter:
     def batched(self) -> bool:
         return self.tokenizer is not None
 
-    def entry(self, entry: Any, parsed: Any, where: str) -> Any:
-        """What :meth:`count` takes of one manifest entry (its turns; a chat counter: its messages)."""
+    def entry(self, entry: Any, parsed: Any, where: str, images: list[tuple[Path, tuple[int, int]]] = ()) -> Any:
+        """What :meth:`count` takes of one manifest entry (its turns; a chat counter: its messages and
+        ``images``, each file with its (width, height))."""
         return parsed.turns
 
     def count(self, entries: list[list[str]]) -> list[int]:

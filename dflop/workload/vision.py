@@ -23,7 +23,8 @@ def _anyres_grids(t: TilingSpec) -> np.ndarray:
                      for i in range(1, t.max_grid + 1) for j in range(1, t.max_grid + 1)], dtype=float)
 
 
-def _anyres(width: np.ndarray, height: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
+def anyres_grid(width: np.ndarray, height: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(columns, rows) of the anyres tile grid of each image: LLaVA-NeXT's ``select_best_resolution``."""
     w = width.astype(float)[:, None]
     h = height.astype(float)[:, None]
     grids = _anyres_grids(t)
@@ -35,15 +36,18 @@ def _anyres(width: np.ndarray, height: np.ndarray, t: TilingSpec) -> tuple[np.nd
     best_eff = effective.max(axis=1, keepdims=True)
     waste_if_best = np.where(effective == best_eff, wasted, np.inf)
     choice = np.argmin(waste_if_best, axis=1)
-    grid_w = (grids[choice, 0] // t.tile_size).astype(np.int64)
-    grid_h = (grids[choice, 1] // t.tile_size).astype(np.int64)
+    return (grids[choice, 0] // t.tile_size).astype(np.int64), (grids[choice, 1] // t.tile_size).astype(np.int64)
+
+
+def _anyres(width: np.ndarray, height: np.ndarray, t: TilingSpec) -> tuple[np.ndarray, np.ndarray]:
+    grid_w, grid_h = anyres_grid(width, height, t)
 
     side = t.feature_side
     cur_h, cur_w = (grid_h * side).astype(float), (grid_w * side).astype(float)
     w1, h1 = width.astype(float), height.astype(float)
     wider = (w1 / h1) > (cur_w / cur_h)
-    new_h = np.floor(h1 * (cur_w / w1))
-    new_w = np.floor(w1 * (cur_h / h1))
+    new_h = np.floor(np.round(h1 * (cur_w / w1), 7))  # int(round(x, 7)), as LLaVA-NeXT's unpad_image
+    new_w = np.floor(np.round(w1 * (cur_h / h1), 7))
     pad_h = np.floor_divide(cur_h - new_h, 2)
     pad_w = np.floor_divide(cur_w - new_w, 2)
     feat_h = np.where(wider, cur_h - 2 * pad_h, cur_h)

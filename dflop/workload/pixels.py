@@ -1,0 +1,161 @@
+"""Images as a LLaVA-OneVision checkpoint's image processor feeds them to its encoder.
+
+The arithmetic follows transformers' ``LlavaOnevisionImageProcessorPil`` step by step, on
+uint8 pixels through PIL (the resampling is PIL's, so the pixels are the very ones transformers
+computes): a sample's only image is resized into the anyres grid its size selects (aspect kept,
+centred on black), cut into tiles row by row, after a base tile of the whole image squashed to
+one tile; each image of a multi-image sample is padded to a square with the mean colour and
+squashed to one tile. Then rescaled (float64, as float32) and normalised per channel (float32).
+The tiles and the grid are those :mod:`dflop.workload.vision` counts, so the profile's tiles and
+tokens are the ones that run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dflop.errors import DflopError
+from dflop.specs.models import TilingSpec
+from dflop.workload.vision import anyres_grid
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+BICUBIC = 3
+"""LLaVA-OneVision's processor defaults (PIL's resampling code)."""
+
+
+@dataclass(frozen=True)
+class ImageRule:
+    """How a checkpoint's processor turns an image into tiles: the tiling of its config, the
+    normalisation of its ``preprocessor_config.json``."""
+
+    tiling: TilingSpec
+    mean: tuple[float, float, float] = CLIP_MEAN
+    std: tuple[float, float, float] = CLIP_STD
+    rescale: float = 1 / 255
+    resample: int = BICUBIC
+
+
+def load_image_rule(folder: str | Path, tiling: TilingSpec) -> ImageRule:
+    """The rule of the checkpoint in ``folder``: its ``preprocessor_config.json`` (the class's
+    defaults where it has none); a tile size or grid that contradicts the config is an error."""
+    path = Path(folder) / "preprocessor_config.json"
+    if tiling.scheme != "anyres" or tiling.multi_image != "one_tile":
+        raise DflopError(f"{folder}: images of a {tiling.scheme}-tiled encoder are not read from files yet "
+                         "(LLaVA-OneVision's anyres is; data: {synthetic: true} trains on synthetic inputs)")
+    if not path.is_file():
+        return ImageRule(tiling)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DflopError(f"{path}: not readable as JSON ({exc})") from None
+    size = raw.get("size") or {}
+    side = size.get("height", size.get("shortest_edge")) if isinstance(size, dict) else None
+    if side is not None and side != tiling.tile_size:
+        raise DflopError(f"{path}: 'size': {side} pixels a tile, but config.json's vision tower takes {tiling.tile_size}")
+    pinpoints = raw.get("image_grid_pinpoints")
+    if pinpoints is not None and tiling.pinpoints and [list(p) for p in tiling.pinpoints] != pinpoints:
+        raise DflopError(f"{path}: 'image_grid_pinpoints' differ from config.json's")
+    rule = ImageRule(tiling)
+    for key, name in (("image_mean", "mean"), ("image_std", "std")):
+        value = raw.get(key, getattr(rule, name))
+        if not (isinstance(value, list | tuple) and len(value) == 3 and all(isinstance(v, int | float) for v in value)):
+            raise DflopError(f"{path}: '{key}': expected three numbers, got {value!r}")
+        rule = ImageRule(**{**rule.__dict__, name: tuple(float(v) for v in value)})
+    rescale, resample = raw.get("rescale_factor", rule.rescale), raw.get("resample", rule.resample)
+    if not isinstance(rescale, int | float) or isinstance(rescale, bool) or resample not in range(6):
+        raise DflopError(f"{path}: 'rescale_factor' or 'resample' is not what an image processor takes")
+    return ImageRule(tiling, rule.mean, rule.std, float(rescale), int(resample))
+
+
+def open_rgb(path: str | Path, where: str):  # noqa: ANN201 - PIL.Image.Image
+    """The image at ``path`` as RGB (transparency composited on white, as transformers does)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            if "A" in image.getbands() or image.info.get("transparency") is not None:
+                rgba = image.convert("RGBA")
+                return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise DflopError(f"{where}: {path}: cannot decode the image ({exc})") from None
+
+
+def image_tiles(image, rule: ImageRule, alone: bool) -> np.ndarray:  # noqa: ANN001 - PIL.Image.Image
+    """(tiles, 3, side, side) float32 of one RGB image: the base tile then the grid row by row
+    when it is its sample's only image (``alone``), else the one padded, squashed tile."""
+    from PIL import Image
+
+    side = rule.tiling.tile_size
+    if alone:
+        width, height = image.size
+        cols, rows = (int(v[0]) for v in anyres_grid(np.array([width]), np.array([height]), rule.tiling))
+        target_w, target_h = cols * side, rows * side
+        if target_w / width < target_h / height:
+            new_w, new_h = target_w, min(math.ceil(height * target_w / width), target_h)
+        else:
+            new_w, new_h = min(math.ceil(width * target_h / height), target_w), target_h
+        canvas = np.zeros((target_h, target_w, 3), dtype=np.uint8)
+        top, left = (target_h - new_h) // 2, (target_w - new_w) // 2
+        canvas[top:top + new_h, left:left + new_w] = np.asarray(image.resize((new_w, new_h), rule.resample))
+        tiles = [np.asarray(image.resize((side, side), rule.resample))]
+        tiles += [canvas[i:i + side, j:j + side] for i in range(0, target_h, side) for j in range(0, target_w, side)]
+    else:
+        width, height = image.size
+        square = Image.new("RGB", (max(width, height),) * 2, tuple(int(m * 255) for m in rule.mean))
+        square.paste(image, ((max(width, height) - width) // 2, (max(width, height) - height) // 2))
+        tiles = [np.asarray(square.resize((side, side), rule.resample))]
+    pixels = (np.stack(tiles).astype(np.float64) * rule.rescale).astype(np.float32).transpose(0, 3, 1, 2)
+    mean = np.array(rule.mean, dtype=np.float32)[None, :, None, None]
+    std = np.array(rule.std, dtype=np.float32)[None, :, None, None]
+    return (pixels - mean) / std
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image of a real sample: its file, the tiles its processor makes of it and where in the
+    grid they sit (``alone``: its sample's only image, tiled anyres; else one tile)."""
+
+    path: str
+    width: int
+    height: int
+    alone: bool
+    tiles: int
+    tokens: int
+    rule: ImageRule
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(columns, rows) of its anyres grid."""
+        cols, rows = anyres_grid(np.array([self.width]), np.array([self.height]), self.rule.tiling)
+        return int(cols[0]), int(rows[0])
+
+    def pixels(self, where: str) -> np.ndarray:
+        image = open_rgb(self.path, where)
+        if self.alone and image.size != (self.width, self.height):
+            raise DflopError(f"{where}: {self.path}: decodes to {image.size[0]} x {image.size[1]} pixels, but its "
+                             f"header said {self.width} x {self.height} when the data was profiled")
+        return image_tiles(image, self.rule, self.alone)
+
+
+def image_refs(files: list[tuple[Path, tuple[int, int]]], rule: ImageRule) -> tuple[ImageRef, ...]:
+    """The images of one sample (file, (width, height) from its header), tiled and counted by
+    :mod:`dflop.workload.vision` as the data profile counts them."""
+    from dflop.workload import vision
+
+    if len(files) == 1:
+        (path, (width, height)), = files
+        tiles, tokens = vision.single_images(np.array([width]), np.array([height]), rule.tiling)
+        return (ImageRef(str(path), width, height, True, int(tiles[0]), int(tokens[0]), rule),)
+    n = len(files)
+    tiles, tokens = vision.multi_image_parts(np.ones(n, dtype=np.int64), np.ones(n, dtype=np.int64),
+                                             np.full(n, n), rule.tiling)
+    return tuple(ImageRef(str(p), w, h, False, int(t), int(k), rule)
+                 for (p, (w, h)), t, k in zip(files, tiles, tokens))
