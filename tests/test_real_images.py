@@ -3,12 +3,15 @@ as the torch backend trains on them. The pixels are transformers' ``LlavaOnevisi
 bit for bit; each ``<image>`` expands to the tokens the data profile counts (the processor's
 count); the encoder lays the tiles' features out as ``pack_image_features`` does (anyres grid,
 unpadding, bilinear shrinking, a newline per row; one tile and a newline per image of several);
-and the loss is transformers' on the same samples. The checkpoint is a tiny random one that
-transformers saves here, its tokenizer a WordLevel one trained here; nothing is downloaded."""
+and the loss is transformers' on the same samples. The checkpoint is the README's example
+(``examples/llava_checkpoint.py``: tiny, random, saved by transformers, a WordLevel tokenizer
+trained on the spot); nothing is downloaded."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -20,7 +23,6 @@ from cli_helpers import dflop_json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from dflop.errors import DflopError
 from dflop.specs.hf_config import encoder_from_hf_config
@@ -28,72 +30,26 @@ from dflop.workload.chat import ChatCounter, encode_dataset, load_chat
 from dflop.workload.manifest import read_manifest
 from dflop.workload.pixels import image_tiles, load_image_rule
 
-TEMPLATE = (  # Qwen2's layout with plain-text content, assistant turns marked for transformers' assistant mask
-    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
-    "{% endgeneration %}{{ '\\n' }}{%- else %}{{ message['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
-WORDS = "user assistant what is in the picture a red cat dog on mat and left right both same . ?".split()
-SIDE, PINPOINTS, ASPECT = 28, [[28, 28], [28, 56], [56, 28], [56, 56]], "anyres_max_2"
-"""Tiles of 4 x 4 features; at most 2 tiles' worth of grid features, so a 2 x 2 grid is shrunk."""
-IMAGES = {"wide.png": (61, 23), "tall.jpg": (19, 50), "square.png": (56, 56), "small.jpg": (9, 13)}
-ENTRIES = [  # a single image (placeholder written, then not), two images, text only
-    {"id": "one", "image": "wide.png",
-     "conversations": [{"from": "human", "value": "what is in the picture ?\n<image>"},
-                       {"from": "gpt", "value": "a red cat on the mat ."}]},
-    {"id": "square", "image": "square.png",
-     "conversations": [{"from": "human", "value": "what is in the picture ?"}, {"from": "gpt", "value": "a dog ."}]},
-    {"id": "two", "image": ["tall.jpg", "small.jpg"],
-     "conversations": [{"from": "human", "value": "<image> left and <image> right ?"},
-                       {"from": "gpt", "value": "both a cat ."}, {"from": "human", "value": "same ?"},
-                       {"from": "gpt", "value": "the same ."}]},
-    {"id": "text", "conversations": [{"from": "human", "value": "what is a cat ?"}, {"from": "gpt", "value": "a cat ."}]},
-]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the README's example builds the checkpoint
+import llava_checkpoint as example  # noqa: E402
 
-
-def config(vocab: int, image_token: int, layers: int = 2) -> T.LlavaOnevisionConfig:
-    text = T.Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    vision = T.SiglipVisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-                                  image_size=SIDE, patch_size=7)
-    return T.LlavaOnevisionConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                  image_token_index=image_token, video_token_index=image_token + 1,
-                                  vision_aspect_ratio=ASPECT, image_grid_pinpoints=PINPOINTS)
-
+ENTRIES = example.ENTRIES
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """(transformers model, processor, folder): a tiny LLaVA-OneVision with its tokenizer, template,
-    image processor, the images as PNG and JPEG files and a LLaVA manifest of them."""
+    """(transformers model, processor, folder): the README's tiny LLaVA-OneVision example (a
+    checkpoint with its tokenizer, template and image processor, PNG and JPEG files, a LLaVA
+    manifest of them) and transformers' processor of it."""
     folder = tmp_path_factory.mktemp("llava-ov")
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([" ".join(WORDS)] * 2, trainers.WordLevelTrainer(
-        special_tokens=["[UNK]", "<|im_start|>", "<|im_end|>", "<image>", "<video>"], min_frequency=1))
-    fast = T.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|im_end|>",
-                                     pad_token="[UNK]")
+    model = example.build(folder)
     # (without torchvision transformers cannot look up a video processor class, not even to accept
     # none: the check that asks is skipped; images need no video processor)
     with mock.patch.object(T.ProcessorMixin, "check_argument_for_proper_class", lambda *_: None):
         processor = T.LlavaOnevisionProcessor(
-            image_processor=T.LlavaOnevisionImageProcessorPil(size={"height": SIDE, "width": SIDE},
-                                                              image_grid_pinpoints=PINPOINTS),
-            tokenizer=fast, num_image_tokens=16, vision_feature_select_strategy="full", vision_aspect_ratio=ASPECT,
-            chat_template=TEMPLATE)
-    processor.image_processor.save_pretrained(folder)
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(folder)
-    torch.manual_seed(0)
-    model = T.LlavaOnevisionForConditionalGeneration(config(tok.get_vocab_size(), tok.token_to_id("<image>"))).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    rng = np.random.default_rng(3)
-    for name, (w, h) in IMAGES.items():
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / name)
-    (folder / "data.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ENTRIES))
+            image_processor=T.LlavaOnevisionImageProcessorPil.from_pretrained(folder),
+            tokenizer=T.PreTrainedTokenizerFast.from_pretrained(folder), num_image_tokens=16,
+            vision_feature_select_strategy="full", vision_aspect_ratio=example.ASPECT,
+            chat_template=example.TEMPLATE)
     return model, processor, folder
 
 
@@ -222,8 +178,8 @@ def test_a_placeholder_that_cannot_be_placed_is_one_line(checkpoint, tmp_path, c
         read_manifest(tmp_path / "bad.jsonl", encoder, tokenizer=ChatCounter(load_chat(folder), tiling=encoder.tiling))
 
 
-PLANS = {  # 2 and 4 processes: the encoder on its own rank; pipeline and tensor parallelism
-    "disaggregated": {"encoder": {"dp": 1}, "llm": {"dp": 1}, "placement": "disaggregated", "microbatches": 2},
+PLANS = {  # 2 and 4 processes: the encoder on its own rank (the example's run.yaml); pipeline and tensor parallelism
+    "disaggregated": example.RUN["plan"],
     "colocated pp2 x tp2": {"encoder": {"tp": 2}, "llm": {"tp": 2, "pp": 2}, "placement": "colocated",
                             "microbatches": 2},
 }
@@ -234,12 +190,12 @@ PLANS = {  # 2 and 4 processes: the encoder on its own rank; pipeline and tensor
 def test_a_torch_run_trains_on_the_images_from_transformers_loss(checkpoint, tmp_path, plan):
     """The first step's loss is transformers' on the samples it trained, the loss goes down, and the
     exported folder, loaded by transformers, computes the loss the run recorded for the step after
-    its checkpoint (the trained weights, not the initial ones)."""
+    its last checkpoint (the trained weights, not the initial ones). The 4-process run makes each
+    step's inputs in a thread while the step before runs (``load_ahead``), with the same results."""
     model, processor, folder = checkpoint
     gpus = 2 if plan == "disaggregated" else 4
-    run = {"model": {"checkpoint": "."}, "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": gpus},
-           "training": {"global_batch": 4}, "data": {"dataset": "data.jsonl"}, "steps": 4, "plan": PLANS[plan],
-           "execution": {"lr": 1e-2, "checkpoint_every": 3}}
+    run = {**example.RUN, "plan": PLANS[plan], "cluster": {**example.RUN["cluster"], "gpus_per_node": gpus},
+           "execution": {"lr": 1e-2, "checkpoint_every": 3, "load_ahead": plan != "disaggregated"}}
     path = folder / f"{plan}.yaml".replace(" ", "-")
     path.write_text(yaml.safe_dump(run))
     r = dflop_json("run", "--backend", "torch", "--config", path, "--out", tmp_path / "out")
@@ -248,7 +204,7 @@ def test_a_torch_run_trains_on_the_images_from_transformers_loss(checkpoint, tmp
     def samples(step):
         return [by_id[i.split(":", 1)[1]] for i in r["trained"][step]["sample_ids"]]
 
-    assert sorted(e["id"] for e in samples(0)) == sorted(by_id)
+    assert r["inputs"].startswith("real samples") and sorted(e["id"] for e in samples(0)) == sorted(by_id)
     assert r["trained"][0]["loss"] == pytest.approx(transformers_loss(model, processor, folder, samples(0)), rel=1e-4)
     assert r["losses"][-1] < r["losses"][0]
     export = dflop_json("export", "checkpoint", tmp_path / "out", "--to", "hf", "--out", tmp_path / "hf")
@@ -256,3 +212,33 @@ def test_a_torch_run_trains_on_the_images_from_transformers_loss(checkpoint, tmp
     assert export["step"] == 3
     assert r["trained"][3]["loss"] == pytest.approx(transformers_loss(trained, processor, folder, samples(3)),
                                                     rel=1e-4)
+
+
+def test_load_ahead_makes_the_next_steps_inputs_while_this_step_runs():
+    """With ``load_ahead`` the next step is made while the caller still holds this one (else this
+    wait would time out), the steps come in order, and an error making one is raised at its turn."""
+    import threading
+
+    from dflop.backends.torch_runtime.worker import _steps
+
+    made = {k: threading.Event() for k in range(4)}
+
+    def prepared(k):
+        made[k].set()
+        return k
+
+    got = []
+    for k in _steps(prepared, range(1, 4), ahead=True):
+        got.append(k)
+        assert k == 3 or made[k + 1].wait(timeout=30)
+    assert got == [1, 2, 3] and not made[0].is_set()
+
+    def failing(k):
+        if k == 2:
+            raise DflopError("data.jsonl:2: cannot decode the image")
+        return k
+
+    steps = _steps(failing, range(3), ahead=True)
+    assert next(steps) == 0 and next(steps) == 1
+    with pytest.raises(DflopError, match="cannot decode"):
+        next(steps)

@@ -8,12 +8,13 @@ crosses from the launcher to the ranks.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -203,19 +204,24 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     result = RankResult(rank, worker.graph_worker, worker.layout.tp_index, start, weights_read=info["read"])
     meta = {**checkpoint.identity(opts.seed, model), "plan": payload.plan.describe()}
     progress = ProgressFile(Path(opts.progress_dir), rank) if opts.progress_dir else None
-    for step in range(start, len(payload.batches)):
+
+    def prepared(step: int) -> RankStep:
+        """Step ``step`` with every input its forwards read made (images decoded, tokens, positions)."""
         batch, assignment = payload.batches[step], payload.assignments[step]
-        graph = lower_step(template, batch, assignment)
         data = StepData(payload.plan, batch, assignment, payload.texts[step] if payload.texts is not None else None)
-        clock = Clock(device)
-        run = RankStep(worker, graph, data, step, clock, dtype=info["dtype"],
-                      hidden={Module.LLM: model.llm.hidden, Module.ENCODER: model.encoder.hidden},
-                      patches=model.encoder.patches_per_tile)
+        run = RankStep(worker, lower_step(template, batch, assignment), data, step, Clock(device), dtype=info["dtype"],
+                       hidden={Module.LLM: model.llm.hidden, Module.ENCODER: model.encoder.hidden},
+                       patches=model.encoder.patches_per_tile)
+        run.prepare()
+        return run
+
+    ahead = opts.load_ahead if opts.load_ahead is not None else device.type == "cuda"
+    for run in _steps(prepared, range(start, len(payload.batches)), ahead):
+        step, clock = run.step, run.clock
         if opts.fail_at[0] == step and rank == 0:
             run.fail = (opts.fail_at[1], opts.fail_at[2])
         run.progress = progress
         run.gpus_per_node = payload.gpus_per_node
-        run.prepare()
         with _between_steps(run, "barrier"):
             dist.barrier()
         clock.mark()
@@ -237,6 +243,21 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
         result.parameters = {n: _full(p).detach().cpu().clone() for n, p in named.items()}
     dist.barrier()
     return result
+
+
+def _steps(prepared: Callable[[int], RankStep], steps: range, ahead: bool) -> Iterator[RankStep]:
+    """The steps in order, each made by ``prepared``; ``ahead``: the next one made in a thread
+    while the caller runs this one (an error making it is raised when its turn comes)."""
+    if not ahead:
+        yield from map(prepared, steps)
+        return
+    with concurrent.futures.ThreadPoolExecutor(1, "dflop-load-ahead") as loader:
+        pending = loader.submit(prepared, steps[0]) if steps else None
+        for k in range(len(steps)):
+            run = pending.result()
+            if k + 1 < len(steps):
+                pending = loader.submit(prepared, steps[k + 1])
+            yield run
 
 
 @contextlib.contextmanager

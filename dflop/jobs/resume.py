@@ -47,6 +47,8 @@ class Arm:
 
 
 RUN_FILE = "run.json"
+RESULT_FREE = ("timeout_s", "load_ahead")
+"""Execution settings a resume may change: no result depends on them."""
 ARM_NAMES = ("dflop", "baseline", "baseline_balanced")
 """dflop's plan with its bins, the strongest baseline with its rule, that baseline's plan with dflop's bins."""
 SCHEDULE = re.compile(r"step-\d{6}\.json")
@@ -146,7 +148,7 @@ def run_record(s: Setup, steps: int) -> dict[str, Any]:
     (and the Hugging Face checkpoint it started from, if any: ``dflop export checkpoint`` writes
     its trained weights back in that checkpoint's names), the data, the training (global batch),
     the seed, the steps, the cluster, how the ranks run (device, precision, optimizer, checkpoints:
-    all of execution but the timeout, which changes no result), and the dflop that made the run."""
+    all of execution but what changes no result), and the dflop that made the run."""
     c, e = s.config, s.config.execution
     data = to_mapping(c.data)
     for key in ("dataset", "profile"):  # the same file, however the config named it
@@ -155,7 +157,8 @@ def run_record(s: Setup, steps: int) -> dict[str, Any]:
     return plain({"dflop_version": _version(), "encoder": c.encoder, "llm": c.llm, "data": data,
                    "training": c.training, "seed": c.seed, "steps": steps,
                    "cluster": PlannedCluster.of(s.system.cluster),
-                   "execution": {f.name: getattr(e, f.name) for f in fields(e) if f.name != "timeout_s"}, **start})
+                   "execution": {f.name: getattr(e, f.name) for f in fields(e) if f.name not in RESULT_FREE},
+                   **start})
 
 
 def _agree(folder: Path, field: str, recorded: Any, current: Any, says: str) -> None:

@@ -56,6 +56,10 @@ class ExecutionSpec:
     """Point-to-point and collective timeout: a lost peer fails the run after this at the latest."""
     checkpoint_every: int = field(default=0, metadata=limit(0, MAX_STEPS))
     """Save a checkpoint (torch.distributed.checkpoint) every this many steps; 0: never."""
+    load_ahead: bool | None = None
+    """Make the next step's inputs (its images decoded, its tokens and packed positions) in a thread
+    while this step runs, as a data loader's workers do; None: on GPUs, whose ranks leave CPU cores
+    free, not on CPU, whose ranks are the cores (a thread beside the step would take its time)."""
     calibrate: bool = True
     """Before the first step, measure a few of the profile's shapes here and scale the run's reported
     predictions by what they ran at (``dflop.cost.calibration``): a profile measured on another machine
@@ -69,5 +73,7 @@ class ExecutionSpec:
                 names = ", ".join(m.value for m in kind)
                 require(value in [m.value for m in kind], f"{name}: {value!r} is not one of {names}")
                 object.__setattr__(self, name, kind(value))
+        require(self.load_ahead is None or isinstance(self.load_ahead, bool),
+                f"load_ahead: expected true or false, got {self.load_ahead!r}")
         require(self.lr > 0, f"lr: must be positive, got {self.lr}")
         require(self.adam_eps > 0, f"adam_eps: must be positive, got {self.adam_eps}")
