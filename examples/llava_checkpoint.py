@@ -40,9 +40,9 @@ ENTRIES = [  # a single image (placeholder written, then not), two images, text 
     {"id": "text", "conversations": [{"from": "human", "value": "what is a cat ?"}, {"from": "gpt", "value": "a cat ."}]},
 ]
 RUN = {"model": {"checkpoint": "."}, "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": 2},
-       "training": {"global_batch": 4}, "data": {"dataset": "data.jsonl"}, "steps": 4,
-       "plan": {"encoder": {"dp": 1}, "llm": {"dp": 1}, "placement": "disaggregated", "microbatches": 2},
-       "execution": {"lr": 1e-2, "checkpoint_every": 2}}
+       "training": {"global_batch": 4}, "data": {"dataset": "data.jsonl"}, "steps": 20,
+       "plan": {"encoder": {"dp": 2}, "llm": {"dp": 2}, "placement": "colocated", "microbatches": 1},
+       "execution": {"lr": 1e-2, "checkpoint_every": 10}}
 
 
 def build(folder: Path):  # noqa: ANN201 - the transformers model it saved

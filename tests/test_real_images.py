@@ -178,10 +178,11 @@ def test_a_placeholder_that_cannot_be_placed_is_one_line(checkpoint, tmp_path, c
         read_manifest(tmp_path / "bad.jsonl", encoder, tokenizer=ChatCounter(load_chat(folder), tiling=encoder.tiling))
 
 
-PLANS = {  # 2 and 4 processes: the encoder on its own rank (the example's run.yaml); pipeline and tensor parallelism
-    "disaggregated": example.RUN["plan"],
-    "colocated pp2 x tp2": {"encoder": {"tp": 2}, "llm": {"tp": 2, "pp": 2}, "placement": "colocated",
-                            "microbatches": 2},
+PLANS = {  # 2 and 4 processes: data parallelism (the example's run.yaml), tensor and pipeline parallelism, each
+    # module on its own ranks
+    "colocated dp2": example.RUN["plan"],
+    "disaggregated encoder tp2 + llm pp2": {"encoder": {"tp": 2}, "llm": {"pp": 2}, "placement": "disaggregated",
+                                            "microbatches": 2},
 }
 
 
@@ -190,12 +191,12 @@ PLANS = {  # 2 and 4 processes: the encoder on its own rank (the example's run.y
 def test_a_torch_run_trains_on_the_images_from_transformers_loss(checkpoint, tmp_path, plan):
     """The first step's loss is transformers' on the samples it trained, the loss goes down, and the
     exported folder, loaded by transformers, computes the loss the run recorded for the step after
-    its last checkpoint (the trained weights, not the initial ones). The 4-process run makes each
+    its last checkpoint (step 14 of 20: the trained weights, not the initial ones). The 4-process run makes each
     step's inputs in a thread while the step before runs (``load_ahead``), with the same results."""
     model, processor, folder = checkpoint
-    gpus = 2 if plan == "disaggregated" else 4
-    run = {**example.RUN, "plan": PLANS[plan], "cluster": {**example.RUN["cluster"], "gpus_per_node": gpus},
-           "execution": {"lr": 1e-2, "checkpoint_every": 3, "load_ahead": plan != "disaggregated"}}
+    wide = plan != "colocated dp2"
+    run = {**example.RUN, "plan": PLANS[plan], "cluster": {**example.RUN["cluster"], "gpus_per_node": 4 if wide else 2},
+           "execution": {"lr": 1e-2, "checkpoint_every": 7, "load_ahead": wide}}
     path = folder / f"{plan}.yaml".replace(" ", "-")
     path.write_text(yaml.safe_dump(run))
     r = dflop_json("run", "--backend", "torch", "--config", path, "--out", tmp_path / "out")
@@ -206,12 +207,12 @@ def test_a_torch_run_trains_on_the_images_from_transformers_loss(checkpoint, tmp
 
     assert r["inputs"].startswith("real samples") and sorted(e["id"] for e in samples(0)) == sorted(by_id)
     assert r["trained"][0]["loss"] == pytest.approx(transformers_loss(model, processor, folder, samples(0)), rel=1e-4)
-    assert r["losses"][-1] < r["losses"][0]
+    assert len(r["losses"]) == 20 and max(r["losses"][-4:]) < min(r["losses"][:4])
     export = dflop_json("export", "checkpoint", tmp_path / "out", "--to", "hf", "--out", tmp_path / "hf")
     trained = T.LlavaOnevisionForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
-    assert export["step"] == 3
-    assert r["trained"][3]["loss"] == pytest.approx(transformers_loss(trained, processor, folder, samples(3)),
-                                                    rel=1e-4)
+    assert export["step"] == 14
+    assert r["trained"][14]["loss"] == pytest.approx(transformers_loss(trained, processor, folder, samples(14)),
+                                                     rel=1e-4)
 
 
 def test_load_ahead_makes_the_next_steps_inputs_while_this_step_runs():

@@ -67,6 +67,34 @@ def checkpoint(tmp_path_factory):
     return model, fast, folder
 
 
+@pytest.fixture(scope="module")
+def llama_checkpoint(checkpoint, tmp_path_factory):
+    """The same tokenizer, template and data with a tiny random Llama (an o_proj bias, tied
+    embeddings, 1e-5 norms): the other LLM layout a plain checkpoint comes in."""
+    import shutil
+
+    _, fast, source = checkpoint
+    folder = tmp_path_factory.mktemp("llama-chat")
+    for name in ("tokenizer.json", "tokenizer_config.json", "data.jsonl"):
+        shutil.copy(source / name, folder / name)
+    if (source / "chat_template.jinja").exists():
+        shutil.copy(source / "chat_template.jinja", folder / "chat_template.jinja")
+    config = T.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    torch.manual_seed(1)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return model, fast, folder
+
+
+FAMILIES = {"qwen2": "checkpoint", "llama": "llama_checkpoint"}
+
+
 def messages(entry: dict) -> list[dict]:
     system = [{"role": "system", "content": entry["system_prompt"]}] if "system_prompt" in entry else []
     turns = entry.get("messages") or [{"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
@@ -104,8 +132,11 @@ def test_the_profile_counts_exactly_the_tokens_the_backend_feeds(checkpoint):
     assert plain.text_tokens.tolist() != table.text_tokens.tolist()
 
 
-def test_the_reference_loss_is_the_mean_over_assistant_targets(checkpoint):
-    """The single-process reference on real samples computes transformers' masked mean."""
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_reference_loss_is_the_mean_over_assistant_targets(request, family):
+    """The single-process reference on real samples computes transformers' masked mean, on a Qwen2
+    and on a Llama checkpoint."""
+    checkpoint = request.getfixturevalue(FAMILIES[family])
     from dflop.backends.torch_runtime.reference import reference_training
     from dflop.backends.torch_runtime.worker import TorchOptions
     from dflop.specs.models import MLLMSpec
@@ -145,8 +176,9 @@ def run_config(folder, **data) -> dict:
 
 
 @pytest.mark.processes
-def test_a_torch_run_trains_on_the_samples_from_transformers_loss(checkpoint, tmp_path):
-    model, fast, folder = checkpoint
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_torch_run_trains_on_the_samples_from_transformers_loss(request, tmp_path, family):
+    model, fast, folder = request.getfixturevalue(FAMILIES[family])
     path = folder / "real.yaml"
     path.write_text(yaml.safe_dump(run_config(folder)))
     r = dflop_json("run", "--backend", "torch", "--config", path, "--out", tmp_path / "out")
