@@ -6,9 +6,9 @@ training on real samples without downloading anything (needs the ``dev`` extra: 
 
 writes into the folder what a released checkpoint and a dataset hold: ``config.json`` and
 ``model.safetensors`` (SigLIP + Qwen2 + projector, random), ``tokenizer.json`` with a chat
-template, ``preprocessor_config.json``; PNG and JPEG images; ``data.jsonl`` (LLaVA's schema: a
-single image, a multi-image conversation, text only); and ``run.yaml`` training it on 2 CPU
-processes. Tiles are 28 pixels (4 x 4 features), at most 2 tiles' worth of grid features.
+template, ``preprocessor_config.json``; PNG and JPEG images and an MPEG-4 video; ``data.jsonl``
+(LLaVA's schema: a single image, a multi-image conversation, text only, a video); and
+``run.yaml`` training it on 2 CPU processes. Tiles are 28 pixels (4 x 4 features), at most 2 tiles' worth of grid features.
 """
 
 from __future__ import annotations
@@ -38,7 +38,12 @@ ENTRIES = [  # a single image (placeholder written, then not), two images, text 
                        {"from": "gpt", "value": "both a cat ."}, {"from": "human", "value": "same ?"},
                        {"from": "gpt", "value": "the same ."}]},
     {"id": "text", "conversations": [{"from": "human", "value": "what is a cat ?"}, {"from": "gpt", "value": "a cat ."}]},
+    {"id": "clip", "video": "clip.mp4",
+     "conversations": [{"from": "human", "value": "<video>\nwhat is in the video ?"},
+                       {"from": "gpt", "value": "a dog on the mat ."}]},
 ]
+VIDEO = {"clip.mp4": (24, 16, 12, 4)}
+"""width, height, frames, frames per second: 1 frame a second is fed, so frames 0, 4 and 8."""
 RUN = {"model": {"checkpoint": "."}, "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": 2},
        "training": {"global_batch": 4}, "data": {"dataset": "data.jsonl"}, "steps": 20,
        "plan": {"encoder": {"dp": 2}, "llm": {"dp": 2}, "placement": "colocated", "microbatches": 1},
@@ -82,13 +87,29 @@ def build(folder: Path):  # noqa: ANN201 - the transformers model it saved
     rng = np.random.default_rng(3)
     for name, (w, h) in IMAGES.items():
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / name)
+    for name, (w, h, frames, fps) in VIDEO.items():
+        write_video(folder / name, [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(frames)], fps)
     (folder / "data.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ENTRIES))
     (folder / "run.yaml").write_text(yaml.safe_dump(RUN, sort_keys=False))
     return model
+
+
+def write_video(path: Path, frames: list[np.ndarray], fps: int) -> None:
+    """An MPEG-4 video of ``frames`` (RGB arrays), written with PyAV."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = "yuv420p"
+        for pixels in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     build(Path(sys.argv[1]))
-    print(f"tiny LLaVA-OneVision checkpoint, {len(IMAGES)} images and {len(ENTRIES)} samples -> {sys.argv[1]}")
+    print(f"tiny LLaVA-OneVision checkpoint, {len(IMAGES)} images, {len(VIDEO)} video and {len(ENTRIES)} samples "
+          f"-> {sys.argv[1]}")

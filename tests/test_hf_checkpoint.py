@@ -9,7 +9,7 @@ sample's newline rows after all its tiles' features, so a sample of several imag
 differently. The tests hold the encoder, the projector and the newline of each image, and the LLM
 on those images in LLaVA-OneVision's order, against transformers. Real images (a single image's
 anyres grid, unpadding, bilinear downsampling, a newline per row) are laid out by
-``anyres_layout`` and held against transformers in ``test_real_images.py``; video is not built.
+``onevision_layout`` and held against transformers in ``test_real_images.py``; video is not built.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Model specs from the config.json files real checkpoints ship (trimmed to the keys that matter)."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -94,7 +95,9 @@ def test_llava_onevision_hf_config_gives_the_presets(tmp_path):
     siglip, preset = encoder_from_hf_config(path), presets.encoder("siglip-so400m")
     assert (siglip.layers, siglip.hidden, siglip.heads, siglip.mlp, siglip.patches_per_tile) == \
         (26, 1152, 16, 4304, 729)
-    assert siglip.tiling == preset.tiling and siglip.layers == preset.layers
+    # transformers' LLaVA-OneVision closes a video with one newline; the preset (the training recipe)
+    # one per pooled row of every frame
+    assert siglip.tiling == replace(preset.tiling, video_newline="one_token") and siglip.layers == preset.layers
 
 
 def test_vision_only_configs(tmp_path):
@@ -171,12 +174,12 @@ def test_names_come_from_the_folder_never_from_a_stale_name_or_path(tmp_path):
 
 
 @pytest.mark.parametrize("position,per_frame,once", [
-    ("grid", 196 + 14, 0), ("frame", 196 + 1, 0), ("one_token", 196, 1), ("no_token", 196, 0), (None, 196 + 14, 0),
+    ("grid", 196 + 14, 0), ("frame", 196 + 1, 0), ("one_token", 196, 1), ("no_token", 196, 0), (None, 196, 1),
 ])
 def test_mm_newline_position_sets_the_video_tokens(tmp_path, position, per_frame, once):
     """LLaVA-NeXT's llava_arch.py: 27 x 27 SigLIP features pooled to 14 x 14 a frame, then a newline
-    after every pooled row (grid), after every frame, once after the whole video, or none; no key:
-    LLaVA-OneVision's grid."""
+    after every pooled row (grid), after every frame, once after the whole video, or none; no key in
+    transformers' LLaVA-OneVision config: once, as transformers computes it."""
     from dflop.workload.vision import videos
 
     data = {"architectures": ["LlavaOnevisionForConditionalGeneration"], "model_type": "llava_onevision",

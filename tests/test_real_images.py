@@ -1,9 +1,11 @@
-"""Real images: a LLaVA-OneVision checkpoint's own processing of a manifest's PNG and JPEG files,
-as the torch backend trains on them. The pixels are transformers' ``LlavaOnevisionImageProcessor``'s
-bit for bit; each ``<image>`` expands to the tokens the data profile counts (the processor's
-count); the encoder lays the tiles' features out as ``pack_image_features`` does (anyres grid,
-unpadding, bilinear shrinking, a newline per row; one tile and a newline per image of several);
-and the loss is transformers' on the same samples. The checkpoint is the README's example
+"""Real images and video: a LLaVA-OneVision checkpoint's own processing of a manifest's PNG, JPEG
+and MPEG-4 files, as the torch backend trains on them. The pixels are transformers'
+``LlavaOnevisionImageProcessor``'s bit for bit (a video's frames: LLaVA-NeXT's sampling, SigLIP's
+image processor on each); each ``<image>`` or ``<video>`` expands to the tokens the data profile
+counts (the processor's count); the encoder lays the tiles' features out as
+``pack_image_features`` does (anyres grid, unpadding, bilinear shrinking, a newline per row; one
+tile and a newline per image of several) and a video's as ``get_video_features`` does (2 x 2
+pooling, one newline); and the loss is transformers' on the same samples. The checkpoint is the README's example
 (``examples/llava_checkpoint.py``: tiny, random, saved by transformers, a WordLevel tokenizer
 trained on the spot); nothing is downloaded."""
 
@@ -55,7 +57,9 @@ def checkpoint(tmp_path_factory):
 
 def transformers_inputs(processor, entry: dict, folder) -> dict:
     """What LLaVA-OneVision's processor makes of an entry (placeholders as dflop places them), with
-    labels on the assistant turns."""
+    labels on the assistant turns. A video's frames (transformers' video processor needs
+    torchvision, which is not installed) are LLaVA-NeXT's training code's: 1 frame a second of the
+    container, decoded with PyAV, each through SigLIP's image processor at the tile size."""
     files = entry.get("image", [])
     files = [files] if isinstance(files, str) else files
     turns = [{"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
@@ -65,15 +69,33 @@ def transformers_inputs(processor, entry: dict, folder) -> dict:
     mask = processor.tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True,
                                                    return_assistant_tokens_mask=True)
     text = processor.tokenizer.apply_chat_template(turns, tokenize=False)
-    images = [Image.open(folder / f).convert("RGB") for f in files]
-    inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
+    if "video" in entry:
+        inputs = {"pixel_values_videos": video_pixels(processor, folder / entry["video"])}
+        text = text.replace("<video>", processor.replace_video_token(inputs, 0))
+        inputs["input_ids"] = torch.tensor([processor.tokenizer(text, add_special_tokens=False)["input_ids"]])
+    else:
+        images = [Image.open(folder / f).convert("RGB") for f in files]
+        inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
     ids = inputs["input_ids"][0]
-    assistant = torch.zeros(len(ids), dtype=torch.bool)
+    media = (ids == processor.image_token_id) | (ids == processor.video_token_id)
     unexpanded = torch.tensor(mask["input_ids"])
-    keep = (ids != processor.image_token_id)
-    assistant[keep] = torch.tensor(mask["assistant_masks"], dtype=torch.bool)[unexpanded != processor.image_token_id]
+    assistant = torch.zeros(len(ids), dtype=torch.bool)
+    assistant[~media] = torch.tensor(mask["assistant_masks"], dtype=torch.bool)[
+        (unexpanded != processor.image_token_id) & (unexpanded != processor.video_token_id)]
     inputs["labels"] = torch.where(assistant, ids, -100)[None]
     return inputs
+
+
+def video_pixels(processor, path) -> torch.Tensor:
+    """(1, frames, 3, side, side): every 4th frame of the 4 fps clip, as LLaVA-NeXT feeds a video."""
+    import av
+
+    with av.open(str(path)) as container:
+        frames = [f.to_image().convert("RGB") for f in container.decode(video=0)][::4]
+    siglip = T.SiglipImageProcessorPil(size={"height": example.SIDE, "width": example.SIDE},
+                                       image_mean=processor.image_processor.image_mean,
+                                       image_std=processor.image_processor.image_std)
+    return siglip(images=frames, return_tensors="pt")["pixel_values"][None]
 
 
 def encoded(folder):
@@ -107,9 +129,13 @@ def test_each_image_expands_to_the_tokens_the_processor_and_the_profile_count(ch
         assert np.array_equal(np.where(got.targets, got.ids, -100), want["labels"][0].numpy())
         assert (int(got.text.sum()), int((~got.text).sum()), sum(im.tiles for im in got.images)) == \
             (table.text_tokens[i], table.image_tokens[i], table.tiles[i])
-        assert sum(im.tiles for im in got.images) == len(want.get("pixel_values", torch.zeros(1, 0))[0]) \
-            or len(got.images) > 1  # a multi-image sample's pixel rows are padded to the longest image
-    assert [len(texts[e["id"]].images) for e in ENTRIES] == [1, 1, 2, 0]
+        if "pixel_values_videos" in want:  # the frames fed are LLaVA-NeXT's, bit for bit
+            video, = got.images
+            assert torch.equal(torch.from_numpy(video.pixels(entry["id"])), want["pixel_values_videos"][0])
+        elif len(got.images) == 1:  # (a multi-image sample's pixel rows are padded to the longest image)
+            assert sum(im.tiles for im in got.images) == len(want["pixel_values"][0])
+    assert [len(texts[e["id"]].images) for e in ENTRIES] == [1, 1, 2, 0, 1]
+    assert table.image_tokens[4] == 3 * (2 * 2) + 1  # the video: 3 frames of 2 x 2 pooled features, a newline
     assert table.image_tokens[1] == 16 + 5 * (5 + 1)  # the square's 2 x 2 grid: 8 x 8 features shrunk to 5 x 5
 
 
@@ -120,7 +146,7 @@ def test_the_image_tokens_are_laid_out_as_pack_image_features(checkpoint, width,
     transformers' ``pack_image_features`` (unpadding rows or columns, bilinear shrinking, newlines)."""
     from dataclasses import replace
 
-    from dflop.backends.torch_runtime.model import anyres_layout
+    from dflop.backends.torch_runtime.model import onevision_layout
     from dflop.workload.pixels import image_refs
 
     model, _, folder = checkpoint
@@ -129,7 +155,7 @@ def test_the_image_tokens_are_laid_out_as_pack_image_features(checkpoint, width,
     image, = image_refs([(folder / "any.png", (width, height))], rule)
     features = torch.randn(image.tiles, 16, 32, generator=torch.Generator().manual_seed(width * 401 + height))
     with torch.no_grad():
-        ours = anyres_layout(features, [image], model.model.image_newline)
+        ours = onevision_layout(features, [image], model.model.image_newline)
         theirs, _ = model.model.pack_image_features([features], torch.tensor([[height, width]]),
                                                     model.model.image_newline, f"anyres_max_{aspect}")
     assert ours.shape[0] == image.tokens and torch.equal(ours, theirs[0])
@@ -164,14 +190,17 @@ def test_the_reference_loss_on_images_is_transformers(checkpoint):
 
 @pytest.mark.parametrize("change, message", [
     (lambda e: [e["conversations"][0].update(value="what ?"), e["conversations"][1].update(value="<image> a cat")],
-     "bad.jsonl:1: entry 0: an <image> placeholder in an assistant turn"),
+     "bad.jsonl:1: entry 0: an <image> or <video> placeholder in an assistant turn"),
     (lambda e: e["conversations"][0].update(value="<image> <image> what ?"), r"2 <image> and 0 <video> placeholder"),
+    (lambda e: [e.pop("image"), e.update(video="clip.mp4", frames=8)],
+     r"bad.jsonl:1: entry 0: .*clip.mp4: real frames are read .* with no 'frames' or 'duration' in the entry"),
 ])
-def test_a_placeholder_that_cannot_be_placed_is_one_line(checkpoint, tmp_path, change, message):
+def test_what_cannot_be_fed_as_the_checkpoint_feeds_it_is_one_line(checkpoint, tmp_path, change, message):
     _, _, folder = checkpoint
     entry = json.loads(json.dumps(ENTRIES[0]))
     change(entry)
-    (tmp_path / "wide.png").write_bytes((folder / "wide.png").read_bytes())
+    for name in ("wide.png", "clip.mp4"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
     (tmp_path / "bad.jsonl").write_text(json.dumps(entry) + "\n")
     encoder = encoder_from_hf_config(folder / "config.json")
     with pytest.raises(DflopError, match=message):
@@ -188,7 +217,7 @@ PLANS = {  # 2 and 4 processes: data parallelism (the example's run.yaml), tenso
 
 @pytest.mark.processes
 @pytest.mark.parametrize("plan", list(PLANS))
-def test_a_torch_run_trains_on_the_images_from_transformers_loss(checkpoint, tmp_path, plan):
+def test_a_torch_run_trains_on_images_and_video_from_transformers_loss(checkpoint, tmp_path, plan):
     """The first step's loss is transformers' on the samples it trained, the loss goes down, and the
     exported folder, loaded by transformers, computes the loss the run recorded for the step after
     its last checkpoint (step 14 of 20: the trained weights, not the initial ones). The 4-process run makes each
@@ -205,7 +234,8 @@ def test_a_torch_run_trains_on_the_images_from_transformers_loss(checkpoint, tmp
     def samples(step):
         return [by_id[i.split(":", 1)[1]] for i in r["trained"][step]["sample_ids"]]
 
-    assert r["inputs"].startswith("real samples") and sorted(e["id"] for e in samples(0)) == sorted(by_id)
+    assert r["inputs"].startswith("real samples") and len({e["id"] for e in samples(0)}) == 4
+    assert {e["id"] for step in range(20) for e in samples(step)} == set(by_id)  # the video too
     assert r["trained"][0]["loss"] == pytest.approx(transformers_loss(model, processor, folder, samples(0)), rel=1e-4)
     assert len(r["losses"]) == 20 and max(r["losses"][-4:]) < min(r["losses"][:4])
     export = dflop_json("export", "checkpoint", tmp_path / "out", "--to", "hf", "--out", tmp_path / "hf")

@@ -14,7 +14,7 @@ to the sample's image-token count (first rows kept; a learned newline vector
 fills rows beyond the tiles' features, as LLaVA's row newlines do): the tile
 and token counts, hence the work, are exactly those the cost model prices. Real samples (a
 checkpoint and a dataset) bring their own token ids and their images' tiles, laid out as
-LLaVA-OneVision lays them out (:func:`anyres_layout`), where their conversation places them.
+LLaVA-OneVision lays them out (:func:`onevision_layout`), where their conversation places them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dflop.models.vit import PatchEmbed, Projector, VisionBlock
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module
 from dflop.workload.chat import Encoded
-from dflop.workload.pixels import ImageRef
+from dflop.workload.pixels import ImageRef, VideoRef
 
 from dflop.backends.torch_runtime.recompute import BlockRunner
 
@@ -83,7 +83,7 @@ class EncoderStage(nn.Module):
         """How each block is called (activation recomputation, ``recompute.py``); None: plainly."""
 
     def forward(self, x: torch.Tensor, tiles: list[int] | None = None, image_tokens: list[int] | None = None,
-                images: list[tuple[ImageRef, ...]] | None = None) -> torch.Tensor:
+                images: list[tuple[ImageRef | VideoRef, ...]] | None = None) -> torch.Tensor:
         """Pixels (first) or features (tiles, patches, hidden) -> features, or (last) image tokens
         (sum of image_tokens, LLM hidden) in sample order: real samples' ``images`` as
         LLaVA-OneVision lays them out, synthetic ones by :func:`layout`."""
@@ -94,21 +94,27 @@ class EncoderStage(nn.Module):
         if self.projector is None:
             return x
         if images is not None:
-            return anyres_layout(self.projector(x), [im for sample in images for im in sample], self.newline)
+            return onevision_layout(self.projector(x), [im for sample in images for im in sample], self.newline)
         return layout(self.projector(x), tiles, image_tokens, self.newline)
 
 
-def anyres_layout(features: torch.Tensor, images: list[ImageRef], newline: torch.Tensor) -> torch.Tensor:
+def onevision_layout(features: torch.Tensor, images: list[ImageRef | VideoRef], newline: torch.Tensor) -> torch.Tensor:
     """(tiles, tokens per tile, H) -> (image tokens, H), image by image as LLaVA-OneVision's
     ``pack_image_features`` lays them out: a sample's only image is its base tile's features, then
     its grid's feature map unpadded to the image's aspect, bilinearly shrunk to at most
     ``anyres_max`` tiles' worth, a newline closing every row; an image of several is its one
-    tile's features and a newline."""
+    tile's features and a newline. A video (``get_video_features``) is each frame's feature map
+    shrunk bilinearly to half its side (rounded up), then one newline."""
     side = math.isqrt(features.shape[1])
     out, start = [newline[None][:0]], 0  # (the newline in the graph even with no image: FSDP reduces its gradient)
     for image in images:
         tiles = features[start:start + image.tiles]
         start += image.tiles
+        if isinstance(image, VideoRef):
+            frames = tiles.reshape(len(tiles), side, side, -1).permute(0, 3, 1, 2)
+            pooled = F.interpolate(frames, size=[math.ceil(side / 2)] * 2, mode="bilinear")
+            out += [pooled.permute(0, 2, 3, 1).reshape(-1, tiles.shape[-1]), newline[None].to(tiles.dtype)]
+            continue
         if not image.alone:
             out += [tiles[0], newline[None].to(tiles.dtype)]
             continue

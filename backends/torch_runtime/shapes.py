@@ -18,7 +18,7 @@ import numpy as np
 from dflop.program.routing import encoder_replicas
 from dflop.specs.plan import Plan
 from dflop.workload.chat import Encoded
-from dflop.workload.pixels import ImageRef
+from dflop.workload.pixels import ImageRef, VideoRef
 from dflop.workload.sample import SampleTable
 
 
@@ -80,8 +80,8 @@ class StepData:
         """Real samples: a bool per position, True where an image token goes (None: images first)."""
         return None if self.text is None else [~e.text for e in self.real(rows)]
 
-    def images(self, rows: np.ndarray) -> list[tuple[ImageRef, ...]] | None:
-        """Real samples: each one's images, whose tiles the encoder lays out as the checkpoint does."""
+    def images(self, rows: np.ndarray) -> list[tuple[ImageRef | VideoRef, ...]] | None:
+        """Real samples: each one's images or video, whose tiles the encoder lays out as the checkpoint does."""
         return None if self.text is None else [e.images for e in self.real(rows)]
 
     @cached_property

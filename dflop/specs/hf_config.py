@@ -281,7 +281,8 @@ NEWLINE_POSITIONS = {"grid": "grid", "frame": "frame", "one_token": "one_token",
 
 def _video_newline(top: _Section, default: str) -> str:
     """Where a video's newline tokens go: the config's ``mm_newline_position`` (LLaVA-OneVision,
-    LLaVA-NeXT-Video), else the VLM's default."""
+    LLaVA-NeXT-Video), else the VLM's default (transformers' LLaVA-OneVision: one after the video;
+    LLaVA-OneVision's training recipe, as the presets have it: one after every pooled row)."""
     value = top.get("mm_newline_position", None)
     if value is None:
         return default
@@ -295,7 +296,8 @@ def _siglip_tiling(top: _Section, image_size: int, patch: int) -> Any:
     side = image_size // patch
     fields: dict[str, Any] = {"tile_size": image_size, "tile_tokens": side * side,
                               "multi_image_tokens": side * side + 1, "frame_tokens": math.ceil(side / 2) ** 2,
-                              "video_newline": _video_newline(top, "grid")}
+                              "video_newline": _video_newline(top, "one_token" if top.data.get("model_type") ==
+                                                              "llava_onevision" else "grid")}
     for key in ("vision_aspect_ratio", "image_aspect_ratio"):
         match = re.fullmatch(r"anyres_max_(\d+)", str(top.data.get(key, "")))
         if match:

@@ -26,8 +26,8 @@ from dflop.errors import DflopError
 from dflop.specs.models import EncoderSpec, TilingSpec
 from dflop.workload.manifest import read_manifest
 from dflop.workload.sample import SampleTable
-from dflop.workload.pixels import ImageRef, ImageRule, image_refs, load_image_rule
-from dflop.workload.schemas import IMAGE, Parsed
+from dflop.workload.pixels import ImageRef, ImageRule, VideoRef, image_refs, load_image_rule, video_ref
+from dflop.workload.schemas import IMAGE, VIDEO, Parsed
 from dflop.workload.tokens import TokenCounter, load_tokenizer
 
 USER = "user"
@@ -38,15 +38,16 @@ SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 @dataclass(frozen=True)
 class Encoded:
-    """One sample's token ids and which of them are targets; with images, the image token
-    repeated where each image's features go (``media``) and the images themselves."""
+    """One sample's token ids and which of them are targets; with images or a video, its token
+    repeated where their features go (``media``), and the images or the video themselves."""
 
     ids: np.ndarray
     targets: np.ndarray
     """Bool per token."""
     media: np.ndarray | None = None
     """Bool per token: an image feature takes this position (None: no image)."""
-    images: tuple[ImageRef, ...] = ()
+    images: tuple[ImageRef | VideoRef, ...] = ()
+    """Its images, or its video, in the order their tokens come."""
 
     @property
     def text(self) -> np.ndarray:
@@ -74,13 +75,16 @@ class ChatTemplate:
     image_token: int | None = None
     """The id ``<image>`` tokenizes to, where config.json names it the image token (a vision-language
     checkpoint); None: the checkpoint takes no images."""
+    video_token: int | None = None
+    """The same of ``<video>``."""
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
         return self.template.render(messages=messages, add_generation_prompt=generation_prompt, **self.variables)
 
-    def encode(self, messages: list[dict[str, str]], where: str, images: tuple[ImageRef, ...] = ()) -> Encoded:
-        """The ids and targets of ``messages``, each ``<image>`` repeated to its image's tokens (as the
-        checkpoint's processor expands it); a template that fails, or that renders an assistant turn
+    def encode(self, messages: list[dict[str, str]], where: str,
+               images: tuple[ImageRef | VideoRef, ...] = ()) -> Encoded:
+        """The ids and targets of ``messages``, each ``<image>`` or ``<video>`` repeated to its image's
+        or video's tokens (as the checkpoint's processor expands it); a template that fails, or that renders an assistant turn
         without its content and an end-of-turn token after it, is an error naming ``where``."""
         import jinja2
 
@@ -104,12 +108,16 @@ class ChatTemplate:
         ids = np.asarray(enc.ids, dtype=np.int64)
         return self._expand(ids, targets, images, where) if images else Encoded(ids, targets)
 
-    def _expand(self, ids: np.ndarray, targets: np.ndarray, images: tuple[ImageRef, ...], where: str) -> Encoded:
-        at = np.flatnonzero(ids == self.image_token)
-        if len(at) != len(images):
-            raise DflopError(f"{where}: {self.name}: renders {len(at)} image token(s) for {len(images)} image(s)")
+    def _expand(self, ids: np.ndarray, targets: np.ndarray, images: tuple[ImageRef | VideoRef, ...],
+                where: str) -> Encoded:
+        at = np.flatnonzero((ids == self.image_token) | (ids == self.video_token))
+        kinds = [self.video_token if isinstance(image, VideoRef) else self.image_token for image in images]
+        if ids[at].tolist() != kinds:
+            raise DflopError(f"{where}: {self.name}: renders {len(at)} image or video token(s) where the entry has "
+                             f"{len(images)} image(s) or video(s) in that order")
         if targets[at].any():
-            raise DflopError(f"{where}: an <image> placeholder in an assistant turn (images are the model's input)")
+            raise DflopError(f"{where}: an <image> or <video> placeholder in an assistant turn (they are the model's "
+                             "input)")
         repeat = np.ones(len(ids), dtype=np.int64)
         repeat[at] = [image.tokens for image in images]
         media = np.zeros(len(ids), dtype=bool)
@@ -157,25 +165,26 @@ def load_chat(folder: str | Path) -> ChatTemplate:
         raise DflopError(f"{folder}: no chat template (tokenizer_config.json's chat_template or chat_template.jinja)")
     variables = {k: t for k in SPECIAL if (t := _token(config.get(k))) is not None}
     specials = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
-    return ChatTemplate(_compile(source, folder), tokenizer, variables, f"chat template of {folder}", specials,
-                        folder, _image_token(folder, tokenizer))
-
-
-def _image_token(folder: Path, tokenizer: Any) -> int | None:
-    """The id of ``<image>``, where config.json names an image token (a vision-language checkpoint)
-    and the tokenizer agrees with it."""
     path = folder / "config.json"
     try:
-        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        model = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (ValueError, UnicodeDecodeError) as exc:
         raise DflopError(f"{path}: not JSON ({exc})") from None
-    named = next((config[k] for k in ("image_token_index", "image_token_id") if k in config), None) \
-        if isinstance(config, dict) else None
+    model = model if isinstance(model, dict) else {}
+    return ChatTemplate(_compile(source, folder), tokenizer, variables, f"chat template of {folder}", specials,
+                        folder, _media_token(folder, model, tokenizer, IMAGE, "image"),
+                        _media_token(folder, model, tokenizer, VIDEO, "video"))
+
+
+def _media_token(folder: Path, config: dict[str, Any], tokenizer: Any, text: str, kind: str) -> int | None:
+    """The id of ``text`` (``<image>``), where config.json names that ``kind``'s token (a
+    vision-language checkpoint) and the tokenizer agrees with it."""
+    named = next((config[k] for k in (f"{kind}_token_index", f"{kind}_token_id") if k in config), None)
     if named is None:
         return None
-    if tokenizer.token_to_id(IMAGE) != named:
-        raise DflopError(f"{folder}: config.json's image token is id {named}, but tokenizer.json gives {IMAGE} "
-                         f"the id {tokenizer.token_to_id(IMAGE)}")
+    if tokenizer.token_to_id(text) != named:
+        raise DflopError(f"{folder}: config.json's {kind} token is id {named}, but tokenizer.json gives {text} "
+                         f"the id {tokenizer.token_to_id(text)}")
     return int(named)
 
 
@@ -216,9 +225,9 @@ def messages_of(entry: Any, parsed: Parsed, where: str) -> list[dict[str, str]]:
     """The entry's turns with their roles (a system prompt the reader put first is the system turn).
     An entry with images keeps its ``<image>`` placeholders where it wrote them; one that wrote none
     has them put before its first user turn, one per image (LLaVA's rule)."""
-    if parsed.videos:
-        raise DflopError(f"{where}: has video: real samples are text and images for now "
-                         "(data: {synthetic: true} trains on synthetic inputs)")
+    if parsed.videos and (parsed.images or len(parsed.videos) > 1):
+        raise DflopError(f"{where}: has several videos, or video and images: real samples hold images or one "
+                         "video for now (data: {synthetic: true} trains on synthetic inputs)")
     conv = next((entry[k] for k in ("messages", "conversations", "conversation") if isinstance(entry.get(k), list)), [])
     system = len(parsed.turns) - len(conv)
     roles = ["system"] * system
@@ -230,17 +239,19 @@ def messages_of(entry: Any, parsed: Parsed, where: str) -> list[dict[str, str]]:
     if system not in (0, 1) or len(roles) != len(parsed.turns):
         raise DflopError(f"{where}: its turns are not a conversation of roles dflop can render")
     contents = list(parsed.turns)
-    if parsed.images:
+    if parsed.images or parsed.videos:
         written = [turn.get("value", turn.get("content")) for turn in conv]
         if not all(isinstance(text, str) for text in written):
-            raise DflopError(f"{where}: images with turns that are not plain text: real samples take LLaVA's and "
-                             "ShareGPT's text turns with <image> placeholders for now")
-        placed = sum(text.count(IMAGE) for text in written)
+            raise DflopError(f"{where}: images or video with turns that are not plain text: real samples take "
+                             "LLaVA's and ShareGPT's text turns with <image> or <video> placeholders for now")
+        tag, n = (VIDEO, 1) if parsed.videos else (IMAGE, len(parsed.images))
+        written = [text.replace(IMAGE, VIDEO) for text in written] if parsed.videos else written  # LLaVA-Video writes <image>
+        placed = sum(text.count(tag) for text in written)
         if placed == 0 and USER in roles:
             first = roles.index(USER) - system
-            written[first] = (IMAGE + "\n") * len(parsed.images) + written[first]
-        elif placed != len(parsed.images):
-            raise DflopError(f"{where}: {placed} <image> placeholder(s) for {len(parsed.images)} image(s)")
+            written[first] = (tag + "\n") * n + written[first]
+        elif placed != n:
+            raise DflopError(f"{where}: {placed} {tag} placeholder(s) for {n} {tag[1:-1]}(s)")
         contents[system:] = written
     return [{"role": r, "content": t} for r, t in zip(roles, contents)]
 
@@ -256,14 +267,17 @@ class ChatCounter(TokenCounter):
         self.encoded: list[Encoded] | None = [] if keep else None
         self._rule: ImageRule | None = None
 
-    def entry(self, entry: Any, parsed: Parsed, where: str, images: list[tuple[Path, tuple[int, int]]] = ()) -> Any:
+    def entry(self, entry: Any, parsed: Parsed, where: str, images: list[tuple[Path, tuple[int, int]]] = (),
+              videos: list[tuple[Path, tuple[int, float, int, float]]] = ()) -> Any:
         messages = messages_of(entry, parsed, where)
-        return where, messages, image_refs(list(images), self.rule(where)) if images else ()
+        if images:
+            return where, messages, image_refs(list(images), self.rule(where))
+        return where, messages, tuple(video_ref(path, header, self.rule(where), where) for path, header in videos)
 
     def rule(self, where: str) -> ImageRule:
         if self.chat.image_token is None or self.tiling is None:
-            raise DflopError(f"{where}: has images, but {self.chat.folder} is not a vision-language checkpoint "
-                             "(its config.json names no image token)")
+            raise DflopError(f"{where}: has images or video, but {self.chat.folder} is not a vision-language "
+                             "checkpoint (its config.json names no image token)")
         if self._rule is None:
             self._rule = load_image_rule(self.chat.folder, self.tiling)
         return self._rule

@@ -200,8 +200,9 @@ class _Reader:
                               parsed.copies)
             positions.append(index)
             if batched:
-                files = [(ctx.image_root / image, size) for image, size in zip(parsed.images, sizes)]
-                pending.append((row, self.tokens.entry(raw, parsed, where, files)))
+                pending.append((row, self.tokens.entry(
+                    raw, parsed, where, [(ctx.image_root / image, size) for image, size in zip(parsed.images, sizes)],
+                    [(ctx.video_root / video, info) for video, info in zip(parsed.videos, videos)])))
                 if len(pending) >= TOKENIZE_CHUNK:
                     self._tokenize(columns, pending)
             self.read += 1

@@ -1,4 +1,4 @@
-"""Images as a LLaVA-OneVision checkpoint's image processor feeds them to its encoder.
+"""Images and videos as a LLaVA-OneVision checkpoint's processing feeds them to its encoder.
 
 The arithmetic follows transformers' ``LlavaOnevisionImageProcessorPil`` step by step, on
 uint8 pixels through PIL (the resampling is PIL's, so the pixels are the very ones transformers
@@ -6,8 +6,9 @@ computes): a sample's only image is resized into the anyres grid its size select
 centred on black), cut into tiles row by row, after a base tile of the whole image squashed to
 one tile; each image of a multi-image sample is padded to a square with the mean colour and
 squashed to one tile. Then rescaled (float64, as float32) and normalised per channel (float32).
-The tiles and the grid are those :mod:`dflop.workload.vision` counts, so the profile's tiles and
-tokens are the ones that run.
+A video's frames are sampled from the container as LLaVA-NeXT's training code samples them and
+squashed to one tile each. The tiles and the grid are those :mod:`dflop.workload.vision` counts,
+so the profile's tiles and tokens are the ones that run.
 """
 
 from __future__ import annotations
@@ -112,10 +113,44 @@ def image_tiles(image, rule: ImageRule, alone: bool) -> np.ndarray:  # noqa: ANN
         square = Image.new("RGB", (max(width, height),) * 2, tuple(int(m * 255) for m in rule.mean))
         square.paste(image, ((max(width, height) - width) // 2, (max(width, height) - height) // 2))
         tiles = [np.asarray(square.resize((side, side), rule.resample))]
+    return normalised(tiles, rule)
+
+
+def normalised(tiles: list[np.ndarray], rule: ImageRule) -> np.ndarray:
+    """uint8 (side, side, 3) tiles -> (tiles, 3, side, side) float32, rescaled in float64 then
+    normalised in float32, as transformers' numpy transforms do."""
     pixels = (np.stack(tiles).astype(np.float64) * rule.rescale).astype(np.float32).transpose(0, 3, 1, 2)
     mean = np.array(rule.mean, dtype=np.float32)[None, :, None, None]
     std = np.array(rule.std, dtype=np.float32)[None, :, None, None]
     return (pixels - mean) / std
+
+
+def frame_indices(total: int, fps: float, tiling: TilingSpec) -> np.ndarray:
+    """The frames of a ``total``-frame video at ``fps`` that are fed (LLaVA-NeXT's
+    ``process_video_with_decord``): every ``round(fps / tiling.fps)``-th, or ``max_frames`` spread
+    evenly where that gives more."""
+    picked = np.arange(0, total, max(1, round(fps / tiling.fps)))
+    return np.linspace(0, total - 1, tiling.max_frames, dtype=int) if len(picked) > tiling.max_frames else picked
+
+
+def video_frames(path: str | Path, indices: np.ndarray, where: str) -> list:  # noqa: ANN201 - PIL images
+    """Frames ``indices`` of the first video stream of ``path``, decoded with PyAV, as RGB images."""
+    import av
+
+    wanted, frames = set(indices.tolist()), {}
+    try:
+        with av.open(str(path)) as container:
+            for i, frame in enumerate(container.decode(video=0)):
+                if i in wanted:
+                    frames[i] = frame.to_image().convert("RGB")
+                if i >= indices[-1]:
+                    break
+    except Exception as exc:  # noqa: BLE001 - FFmpeg reports bad streams with many error types
+        raise DflopError(f"{where}: {path}: cannot decode the video ({exc})") from None
+    if len(frames) != len(wanted):
+        raise DflopError(f"{where}: {path}: decodes to fewer frames than its header gives ({len(frames)} of the "
+                         f"{len(wanted)} sampled up to frame {int(indices[-1])})")
+    return [frames[i] for i in indices.tolist()]
 
 
 @dataclass(frozen=True)
@@ -143,6 +178,44 @@ class ImageRef:
             raise DflopError(f"{where}: {self.path}: decodes to {image.size[0]} x {image.size[1]} pixels, but its "
                              f"header said {self.width} x {self.height} when the data was profiled")
         return image_tiles(image, self.rule, self.alone)
+
+
+@dataclass(frozen=True)
+class VideoRef:
+    """A video of a real sample: its file, the frames fed (one tile each: squashed to the encoder's
+    side, as LLaVA-NeXT's training code feeds them) and its tokens (each frame's features pooled
+    2 x 2, one newline after the video: LLaVA-OneVision's ``get_video_features``)."""
+
+    path: str
+    indices: tuple[int, ...]
+    tokens: int
+    rule: ImageRule
+
+    @property
+    def tiles(self) -> int:
+        return len(self.indices)
+
+    def pixels(self, where: str) -> np.ndarray:
+        side, resample = self.rule.tiling.tile_size, self.rule.resample
+        frames = video_frames(self.path, np.array(self.indices), where)
+        return normalised([np.asarray(f.resize((side, side), resample)) for f in frames], self.rule)
+
+
+def video_ref(path: Path, header: tuple[int, float, int, float], rule: ImageRule, where: str) -> VideoRef:
+    """The video at ``path`` (``header``: the manifest's frames and duration, 0 where it gives none,
+    and the container's frames and rate, 0 where it was not read) sampled and counted as the data
+    profile counts it."""
+    from dflop.workload import vision
+
+    given, seconds, total, fps = header
+    t = rule.tiling
+    if t.video_sampling != "fps" or t.video_newline != "one_token" or given or seconds or not total:
+        raise DflopError(f"{where}: {path}: real frames are read for LLaVA-OneVision's video rule only (frames from "
+                         "the container at the config's fps, one newline after the video), with no 'frames' or "
+                         "'duration' in the entry")
+    indices = frame_indices(total, fps, t)
+    frames, tokens = vision.videos(np.array([len(indices)]), t)
+    return VideoRef(str(path), tuple(int(i) for i in indices), int(tokens[0]), rule)
 
 
 def image_refs(files: list[tuple[Path, tuple[int, int]]], rule: ImageRule) -> tuple[ImageRef, ...]:

@@ -41,9 +41,11 @@ class TokenCounter:
     def batched(self) -> bool:
         return self.tokenizer is not None
 
-    def entry(self, entry: Any, parsed: Any, where: str, images: list[tuple[Path, tuple[int, int]]] = ()) -> Any:
-        """What :meth:`count` takes of one manifest entry (its turns; a chat counter: its messages and
-        ``images``, each file with its (width, height))."""
+    def entry(self, entry: Any, parsed: Any, where: str, images: list[tuple[Path, tuple[int, int]]] = (),
+              videos: list[tuple[Path, tuple[int, float, int, float]]] = ()) -> Any:
+        """What :meth:`count` takes of one manifest entry (its turns; a chat counter: its messages,
+        ``images``, each file with its (width, height), and ``videos``, each with what the manifest and
+        the container header say of its length)."""
         return parsed.turns
 
     def count(self, entries: list[list[str]]) -> list[int]:
