@@ -302,6 +302,7 @@ class TorchBackend:
             optimizer_ns = max(b - a for a, b in (r.steps[i - first]["optimizer"] for r in results.values()))
             per_step.append({"step": i, "step_s": step_ns / 1e9, "graph_s": graph_ns / 1e9,
                              "optimizer_s": optimizer_ns / 1e9, "compute_s": compute_end / 1e9, "loss": loss,
+                             "inputs_s": max(r.steps[i - first]["inputs_s"] for r in results.values()),
                              "sample_ids": [str(x) for x in steps[i].batch.ids]})
             if observe is not None:
                 observe(ObservedStep(step, start, end))

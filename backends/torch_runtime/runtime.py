@@ -143,6 +143,8 @@ class RankStep:
     """Inputs made by ``prepare`` before the step."""
     gpus_per_node: int = 0
     """Of the planned cluster, to name the node of a peer a failure involves (0: name none)."""
+    inputs_s: float = 0.0
+    """Seconds its inputs took to make (:meth:`prepare`, images decoded)."""
 
     @property
     def t(self):  # noqa: ANN201 - Template

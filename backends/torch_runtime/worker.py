@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -87,7 +88,8 @@ class RankResult:
     tp_index: int
     start_step: int
     steps: list[dict[str, Any]] = field(default_factory=list)
-    """Per step: node times (node -> (start ns, end ns)), end ns, loss part, optimizer ns."""
+    """Per step: node times (node -> (start ns, end ns)), end ns, loss part, optimizer ns, and the
+    seconds its inputs took to make (before it, or beside the step before with ``load_ahead``)."""
     parameters: dict[str, Any] = field(default_factory=dict)
     """Full parameters at the end (only when asked, for tests)."""
     weights_read: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -206,13 +208,16 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     progress = ProgressFile(Path(opts.progress_dir), rank) if opts.progress_dir else None
 
     def prepared(step: int) -> RankStep:
-        """Step ``step`` with every input its forwards read made (images decoded, tokens, positions)."""
+        """Step ``step`` with every input its forwards read made (images decoded, tokens, positions),
+        and the seconds that took (``inputs_s``)."""
+        began = time.perf_counter()
         batch, assignment = payload.batches[step], payload.assignments[step]
         data = StepData(payload.plan, batch, assignment, payload.texts[step] if payload.texts is not None else None)
         run = RankStep(worker, lower_step(template, batch, assignment), data, step, Clock(device), dtype=info["dtype"],
                        hidden={Module.LLM: model.llm.hidden, Module.ENCODER: model.encoder.hidden},
                        patches=model.encoder.patches_per_tile)
         run.prepare()
+        run.inputs_s = time.perf_counter() - began
         return run
 
     ahead = opts.load_ahead if opts.load_ahead is not None else device.type == "cuda"
@@ -236,7 +241,8 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
         end = clock.mark()
         marks = clock.resolve()
         result.steps.append({"step": step, "nodes": {n: (marks[a], marks[b]) for n, a, b in run.times},
-                             "optimizer": (marks[opt_start], marks[end]), "end": marks[end], "loss": run.loss})
+                             "optimizer": (marks[opt_start], marks[end]), "end": marks[end], "loss": run.loss,
+                             "inputs_s": run.inputs_s})
         if folder is not None and opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
             checkpoint.save(folder, step + 1, saved, optimizer, meta)
     if keep_parameters:
