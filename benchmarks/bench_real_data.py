@@ -31,7 +31,7 @@ def main() -> None:
     from report import Results, arguments
 
     parser = arguments(__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4, help="rounds of every arm (the first a warm-up)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of every arm (the first a warm-up)")
     parser.add_argument("--steps", type=int, default=12, help="steps a run (its first not counted)")
     args = parser.parse_args()
     rounds, steps = (2, 3) if args.quick else (args.rounds, args.steps)
