@@ -273,3 +273,28 @@ def test_load_ahead_makes_the_next_steps_inputs_while_this_step_runs():
     assert next(steps) == 0 and next(steps) == 1
     with pytest.raises(DflopError, match="cannot decode"):
         next(steps)
+
+
+@pytest.mark.processes
+def test_a_sample_whose_media_fail_to_decode_is_skipped_on_every_rank(checkpoint, tmp_path):
+    """A PNG cut short after its header (the profile reads it; its pixels do not decode): every
+    step that drew it trains without it on both ranks alike, from transformers' loss on the others;
+    the report names it; the run goes on."""
+    import shutil
+
+    model, processor, source = checkpoint
+    folder = tmp_path / "ckpt"
+    shutil.copytree(source, folder)
+    png = (folder / "square.png").read_bytes()
+    (folder / "square.png").write_bytes(png[:len(png) // 2])
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump({**example.RUN, "steps": 4, "execution": {"lr": 1e-2}}))
+    r = dflop_json("run", "--backend", "torch", "--config", path, "--out", tmp_path / "out")
+    assert r["skipped"] and {s["sample_id"].split(":", 1)[1] for s in r["skipped"]} == {"square"}
+    assert all("square.png: cannot decode the image" in s["why"] for s in r["skipped"])
+    trained = [i.split(":", 1)[1] for step in r["trained"] for i in step["sample_ids"]]
+    assert "square" not in trained and len(trained) == 16 - len(r["skipped"])
+    assert any("dflop: " in w and "skipped, their media failed to decode" in w for w in r["warnings"])
+    by_id = {e["id"]: e for e in ENTRIES}
+    first = [by_id[i.split(":", 1)[1]] for i in r["trained"][0]["sample_ids"]]
+    assert r["trained"][0]["loss"] == pytest.approx(transformers_loss(model, processor, folder, first), rel=1e-4)

@@ -284,8 +284,17 @@ class TorchBackend:
         leads = {r.worker: r for r in results.values() if r.tp_index == 0}
         first = min(r.start_step for r in results.values())
         offset, per_step = 0, []
+        skipped: list[dict[str, Any]] = []
+        ran: list[ScheduledBatch] = []
         for i in range(first, len(steps)):
-            step = runner.step(i, steps[i].batch, steps[i].assignment)
+            batch, assignment = steps[i].batch, np.asarray(steps[i].assignment)
+            skip = next(iter(results.values())).steps[i - first]["skipped"]  # (the same on every rank)
+            if skip:  # the step the ranks ran: without the samples whose media failed to decode
+                keep = np.flatnonzero(~np.isin(batch.ids.astype(str), list(skip)))
+                batch, assignment = batch.take(keep), assignment[keep]
+                skipped += [{"step": i, "sample_id": k, "why": why} for k, why in skip.items()]
+            ran.append(ScheduledBatch(batch, assignment))
+            step = runner.step(i, batch, assignment)
             graph, costs = step.graph, step.costs
             start, end = np.zeros(len(graph), dtype=np.int64), np.zeros(len(graph), dtype=np.int64)
             for w, lead in leads.items():
@@ -293,7 +302,7 @@ class TorchBackend:
                     start[n], end[n] = a, b
             step_ns = max(r.steps[i - first]["end"] for r in results.values())
             compute_end = record_graph_step(trace, graph, start, end, step=i, offset_ns=offset, step_ns=step_ns,
-                                            costs=costs, samples=len(steps[i].batch))
+                                            costs=costs, samples=len(batch))
             for w, lead in leads.items():
                 a, b = lead.steps[i - first]["optimizer"]
                 trace.op(w, COMPUTE, "OPTIMIZER", OPTIMIZER, a + offset, b + offset, {"step": i})
@@ -303,16 +312,17 @@ class TorchBackend:
             per_step.append({"step": i, "step_s": step_ns / 1e9, "graph_s": graph_ns / 1e9,
                              "optimizer_s": optimizer_ns / 1e9, "compute_s": compute_end / 1e9, "loss": loss,
                              "inputs_s": max(r.steps[i - first]["inputs_s"] for r in results.values()),
-                             "sample_ids": [str(x) for x in steps[i].batch.ids]})
+                             "sample_ids": [str(x) for x in batch.ids]})
             if observe is not None:
                 observe(ObservedStep(step, start, end))
             offset += step_ns
         doc = trace.document()
         extra: dict[str, Any] = {"losses": [s["loss"] for s in per_step], "first_step": first,
                                  "device": str(self.options.device), "inputs": self.inputs(),
-                                 "trained": [{k: s[k] for k in ("step", "loss", "sample_ids")} for s in per_step]}
+                                 "trained": [{k: s[k] for k in ("step", "loss", "sample_ids")} for s in per_step],
+                                 "skipped": skipped}
         if self.predict:
-            predicted = get_backend("sim", memory=False).run(runner, list(steps)[first:])
+            predicted = get_backend("sim", memory=False).run(runner, ran)
             extra["predicted_step_time_s"] = [s["step_s"] for s in predicted.steps]
             extra["predicted_trace"] = predicted.trace
         if self.keep_parameters:

@@ -35,6 +35,7 @@ from dflop.models.llm import pack
 from dflop.program.actions import Kind
 from dflop.program.stepgraph import Node, StepGraph
 from dflop.specs.plan import Module, Strategy
+from dflop.workload.pixels import MediaError
 
 from dflop.backends.torch_runtime.model import Sequence, pack_sequence, sample_inputs
 from dflop.backends.torch_runtime.parallel import RankLayout, all_reduce_grads
@@ -145,6 +146,8 @@ class RankStep:
     """Of the planned cluster, to name the node of a peer a failure involves (0: name none)."""
     inputs_s: float = 0.0
     """Seconds its inputs took to make (:meth:`prepare`, images decoded)."""
+    undecodable: dict[str, str] = field(default_factory=dict)
+    """Samples whose media this rank could not make into inputs: id -> why."""
 
     @property
     def t(self):  # noqa: ANN201 - Template
@@ -283,8 +286,12 @@ class RankStep:
         b = self.data.batch
         pix, text = [], []
         for i in rows:
-            p, tok = sample_inputs(self.w.seed, str(b.ids[i]), int(b.tiles[i]), int(b.text_tokens[i]),
-                                   self.w.image_size, self.w.vocab, need_pixels=pixels, text=self.data.text)
+            try:
+                p, tok = sample_inputs(self.w.seed, str(b.ids[i]), int(b.tiles[i]), int(b.text_tokens[i]),
+                                       self.w.image_size, self.w.vocab, need_pixels=pixels, text=self.data.text)
+            except MediaError as exc:  # the step is made again without it, on every rank (worker._skipping)
+                self.undecodable[str(b.ids[i])] = str(exc)
+                p, tok = torch.zeros(int(b.tiles[i]), 3, self.w.image_size, self.w.image_size), torch.zeros(0)
             if p is not None and len(p):
                 pix.append(p)
             text.append(tok)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -88,8 +89,9 @@ class RankResult:
     tp_index: int
     start_step: int
     steps: list[dict[str, Any]] = field(default_factory=list)
-    """Per step: node times (node -> (start ns, end ns)), end ns, loss part, optimizer ns, and the
-    seconds its inputs took to make (before it, or beside the step before with ``load_ahead``)."""
+    """Per step: node times (node -> (start ns, end ns)), end ns, loss part, optimizer ns, the
+    seconds its inputs took to make (before it, or beside the step before with ``load_ahead``), and
+    the samples it skipped (id -> why: their media failed to decode)."""
     parameters: dict[str, Any] = field(default_factory=dict)
     """Full parameters at the end (only when asked, for tests)."""
     weights_read: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -207,28 +209,34 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     meta = {**checkpoint.identity(opts.seed, model), "plan": payload.plan.describe()}
     progress = ProgressFile(Path(opts.progress_dir), rank) if opts.progress_dir else None
 
-    def prepared(step: int) -> RankStep:
-        """Step ``step`` with every input its forwards read made (images decoded, tokens, positions),
-        and the seconds that took (``inputs_s``)."""
+    def prepared(step: int, skip: dict[str, str] | None = None) -> RankStep:
+        """Step ``step`` (without the samples ``skip`` names) with every input its forwards read made
+        (images decoded, tokens, positions), and the seconds that took (``inputs_s``)."""
         began = time.perf_counter()
-        batch, assignment = payload.batches[step], payload.assignments[step]
+        batch, assignment = payload.batches[step], np.asarray(payload.assignments[step])
+        if skip:
+            keep = np.flatnonzero(~np.isin(batch.ids.astype(str), list(skip)))
+            batch, assignment = batch.take(keep), assignment[keep]
         data = StepData(payload.plan, batch, assignment, payload.texts[step] if payload.texts is not None else None)
         run = RankStep(worker, lower_step(template, batch, assignment), data, step, Clock(device), dtype=info["dtype"],
                        hidden={Module.LLM: model.llm.hidden, Module.ENCODER: model.encoder.hidden},
-                       patches=model.encoder.patches_per_tile)
+                       patches=model.encoder.patches_per_tile, progress=progress, gpus_per_node=payload.gpus_per_node)
+        if opts.fail_at[0] == step and rank == 0:
+            run.fail = (opts.fail_at[1], opts.fail_at[2])
         run.prepare()
         run.inputs_s = time.perf_counter() - began
         return run
 
     ahead = opts.load_ahead if opts.load_ahead is not None else device.type == "cuda"
     for run in _steps(prepared, range(start, len(payload.batches)), ahead):
-        step, clock = run.step, run.clock
-        if opts.fail_at[0] == step and rank == 0:
-            run.fail = (opts.fail_at[1], opts.fail_at[2])
-        run.progress = progress
-        run.gpus_per_node = payload.gpus_per_node
-        with _between_steps(run, "barrier"):
-            dist.barrier()
+        step = run.step
+        with _between_steps(run, "barrier"):  # (a barrier that also tells every rank what cannot be fed)
+            skipped = _undecodable_anywhere(run.undecodable)
+        if skipped:  # every rank makes the step again without those samples: the same step everywhere
+            run = prepared(step, skipped)
+            with _between_steps(run, "barrier"):
+                dist.barrier()
+        clock = run.clock
         clock.mark()
         run.run()
         if info["tied"]:
@@ -242,13 +250,21 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
         marks = clock.resolve()
         result.steps.append({"step": step, "nodes": {n: (marks[a], marks[b]) for n, a, b in run.times},
                              "optimizer": (marks[opt_start], marks[end]), "end": marks[end], "loss": run.loss,
-                             "inputs_s": run.inputs_s})
+                             "inputs_s": run.inputs_s, "skipped": skipped})
         if folder is not None and opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
             checkpoint.save(folder, step + 1, saved, optimizer, meta)
     if keep_parameters:
         result.parameters = {n: _full(p).detach().cpu().clone() for n, p in named.items()}
     dist.barrier()
     return result
+
+
+def _undecodable_anywhere(mine: dict[str, str]) -> dict[str, str]:
+    """Every rank's samples whose media it could not make into inputs (id -> why), the same on
+    every rank: gathered from all (a rank decodes only the samples it encodes)."""
+    everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {k: v for part in everyone for k, v in sorted((part or {}).items())}
 
 
 def _steps(prepared: Callable[[int], RankStep], steps: range, ahead: bool) -> Iterator[RankStep]:

@@ -209,7 +209,7 @@ def _measured(result: BackendResult, global_batch: int, name: str, out: Path) ->
     if "graph_s" in result.steps[0]:
         fields["graph_time_s"] = {"mean": float(np.mean(graph)), "each": graph}
         fields["optimizer_time_s"] = {"mean": float(np.mean([s["optimizer_s"] for s in result.steps]))}
-    for key in ("losses", "device", "inputs", "trained"):
+    for key in ("losses", "device", "inputs", "trained", "skipped"):
         if key in result.extra:
             fields[key] = result.extra[key]
     fields["steps"] = len(result.steps)
@@ -217,6 +217,18 @@ def _measured(result: BackendResult, global_batch: int, name: str, out: Path) ->
         result.extra["predicted_trace"], out / f"{name}.predicted.trace.json")) if "predicted_trace" in result.extra
         else trace}
     return fields
+
+
+def skipped_samples(arms: dict[str, Arm]) -> list[str]:
+    """A warning per arm that trained without some samples: their media failed to decode (the
+    ranks skipped them, all alike)."""
+    out = []
+    for name, arm in arms.items():
+        if gone := (arm.measured or {}).get("skipped"):
+            first = gone[0]
+            out.append(f"{name}: {len(gone)} sample(s) skipped, their media failed to decode (step {first['step']}: "
+                       f"{first['why']})")
+    return out
 
 
 def report(backend: Backend, system: System, arms: list[Arm], planning: dict[str, Any], out: Path,
@@ -245,7 +257,8 @@ def report(backend: Backend, system: System, arms: list[Arm], planning: dict[str
             "plan_gain": middle.measured["step_time_s"]["mean"] / time_of["dflop"],
             "balance_gain": time_of["baseline"] / middle.measured["step_time_s"]["mean"]},
         "expected": planning["expected"], "prediction_error": planning["prediction_error"],
-        "warnings": planning["warnings"] + implausible(f"dflop ({backend.name})", mine["mfu"], system.hardware),
+        "warnings": planning["warnings"] + implausible(f"dflop ({backend.name})", mine["mfu"], system.hardware)
+        + skipped_samples(by_name),
         "global_batch": system.training.global_batch, "gpus": system.cluster.gpus,
         "hardware": system.hardware.name, "plan_gpus": by_name["dflop"].plan.gpus, "model": system.model.name,
         "data": source, "cost_model": system.cost.name, "scheduler": planning["scheduler"], "search": planning["search"],

@@ -24,6 +24,11 @@ from dflop.errors import DflopError
 from dflop.specs.models import TilingSpec
 from dflop.workload.vision import anyres_grid
 
+class MediaError(DflopError):
+    """An image or video that cannot be fed as the profile counted it (it does not decode, or
+    decodes to another size or fewer frames): a run skips its sample."""
+
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 BICUBIC = 3
@@ -86,7 +91,7 @@ def open_rgb(path: str | Path, where: str):  # noqa: ANN201 - PIL.Image.Image
                 return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
             return image.convert("RGB")
     except (OSError, UnidentifiedImageError, ValueError) as exc:
-        raise DflopError(f"{where}: {path}: cannot decode the image ({exc})") from None
+        raise MediaError(f"{where}: {path}: cannot decode the image ({exc})") from None
 
 
 def image_tiles(image, rule: ImageRule, alone: bool) -> np.ndarray:  # noqa: ANN001 - PIL.Image.Image
@@ -146,9 +151,9 @@ def video_frames(path: str | Path, indices: np.ndarray, where: str) -> list:  # 
                 if i >= indices[-1]:
                     break
     except Exception as exc:  # noqa: BLE001 - FFmpeg reports bad streams with many error types
-        raise DflopError(f"{where}: {path}: cannot decode the video ({exc})") from None
+        raise MediaError(f"{where}: {path}: cannot decode the video ({exc})") from None
     if len(frames) != len(wanted):
-        raise DflopError(f"{where}: {path}: decodes to fewer frames than its header gives ({len(frames)} of the "
+        raise MediaError(f"{where}: {path}: decodes to fewer frames than its header gives ({len(frames)} of the "
                          f"{len(wanted)} sampled up to frame {int(indices[-1])})")
     return [frames[i] for i in indices.tolist()]
 
@@ -175,7 +180,7 @@ class ImageRef:
     def pixels(self, where: str) -> np.ndarray:
         image = open_rgb(self.path, where)
         if self.alone and image.size != (self.width, self.height):
-            raise DflopError(f"{where}: {self.path}: decodes to {image.size[0]} x {image.size[1]} pixels, but its "
+            raise MediaError(f"{where}: {self.path}: decodes to {image.size[0]} x {image.size[1]} pixels, but its "
                              f"header said {self.width} x {self.height} when the data was profiled")
         return image_tiles(image, self.rule, self.alone)
 
