@@ -54,17 +54,25 @@ def checkpoint(tmp_path_factory):
                                      pad_token="[UNK]")
     fast.chat_template = TEMPLATE
     fast.save_pretrained(folder)
-    config = T.Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                           rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    torch.manual_seed(0)
+    model = saved(T.Qwen2Config(vocab_size=tok.get_vocab_size(), **SIZES,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e6}), folder, seed=0)
+    (folder / "data.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    return model, fast, folder
+
+
+SIZES = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256)
+
+
+def saved(config, folder, seed: int):
+    """A random model of ``config``, every weight moved off its initial value, saved in ``folder``."""
+    torch.manual_seed(seed)
     model = T.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
-    (folder / "data.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
-    return model, fast, folder
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +87,9 @@ def llama_checkpoint(checkpoint, tmp_path_factory):
         shutil.copy(source / name, folder / name)
     if (source / "chat_template.jinja").exists():
         shutil.copy(source / "chat_template.jinja", folder / "chat_template.jinja")
-    config = T.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                           rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=True,
-                           rope_parameters={"rope_type": "default", "rope_theta": 5e5})
-    torch.manual_seed(1)
-    model = T.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
+    model = saved(T.LlamaConfig(vocab_size=len(fast), **SIZES, rms_norm_eps=1e-5, attention_bias=True,
+                                tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+                  folder, seed=1)
     return model, fast, folder
 
 

@@ -230,8 +230,12 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     ahead = opts.load_ahead if opts.load_ahead is not None else device.type == "cuda"
     for run in _steps(prepared, range(start, len(payload.batches)), ahead):
         step = run.step
-        with _between_steps(run, "barrier"):  # (a barrier that also tells every rank what cannot be fed)
-            skipped = _undecodable_anywhere(run.undecodable)
+        skipped: dict[str, str] = {}
+        with _between_steps(run, "barrier"):
+            if payload.texts is None:
+                dist.barrier()
+            else:  # real media: a barrier that also tells every rank what could not be fed
+                skipped = _undecodable_anywhere(run.undecodable)
         if skipped:  # every rank makes the step again without those samples: the same step everywhere
             run = prepared(step, skipped)
             with _between_steps(run, "barrier"):

@@ -40,10 +40,11 @@ from dflop.jobs.resume import RUN_FILE, Arm, clear, plain, resume_run, run_recor
 from dflop.jobs.setup import Log, Setup, load_config, log_to_stderr, setup
 from dflop.jobs.steps import schedule_steps
 
-TRAINING_FIELDS = ("losses", "graph_time_s", "optimizer_time_s", "device", "inputs", "trained")
+TRAINING_FIELDS = ("losses", "graph_time_s", "optimizer_time_s", "device", "inputs", "trained", "skipped")
 """What an arm reports only where its backend trains (the torch backend): the losses, the measured
 step split into step graph and optimizer step, the device, what it trained on (``inputs``: real
-samples or synthetic) and, per step, its loss and the ids of the samples it trained (``trained``).
+samples or synthetic), per step its loss and the ids of the samples it trained (``trained``), and
+the samples it skipped because their media failed to decode (``skipped``: step, sample_id, why).
 Every other field every backend reports."""
 CALIBRATION_FIELDS = ("calibration", "uncalibrated_predicted_step_time_s", "uncalibrated_prediction_error")
 """What a run reports only where it calibrated (a backend on this machine's processors, ``execution.calibrate``):
