@@ -199,8 +199,8 @@ FOREIGN_PLANS = {
 def foreign(args) -> None:  # noqa: ANN001
     """--foreign: the shipped profile (measured on another machine) as a user's first run meets it, per
     mix and held-out plan: measured against predicted as recorded and predicted after the run's
-    calibration (``dflop.jobs.calibrate``: a few of the profile's shapes measured here, its parts
-    scaled by what they ran at). A plan of more ranks than cores has them take turns: its prediction
+    calibration (``dflop.jobs.calibrate``: a few of the profile's shapes measured here just before
+    the plan runs, as a run measures them before its first step, its parts scaled by what they ran at). A plan of more ranks than cores has them take turns: its prediction
     is multiplied by the crowding factor, ranks over cores (every rank busy, the upper bound)."""
     from dflop.backends import ScheduledBatch
     from dflop.backends.sim import SimBackend
@@ -224,10 +224,9 @@ def foreign(args) -> None:  # noqa: ANN001
             scheduled[name] = [ScheduledBatch(b, bin_batch(b, plan, wide, costs=plan_costs(b, plan, system.model, cost),
                                                            solver="auto", time_limit=0.2).assignment)
                                for b in (next(stream) for _ in range(args.steps + 1))]
-        sizes, tps = microbatch_sizes(cost, [(plans[n], s) for n, s in scheduled.items()])
-        scaled, _ = calibrate_cost(cost, print, sizes, tps)
         for name, plan in plans.items():
             wide = replace(system, cluster=ClusterSpec(hardware=system.hardware, nodes=1, gpus_per_node=plan.gpus))
+            scaled, _ = calibrate_cost(cost, print, *microbatch_sizes(cost, [(plan, scheduled[name])]))
             crowding = max(1.0, plan.gpus / cpu_cores())
             results = [TorchBackend(options=TorchOptions(lr=1e-4)).run(CostedPlan(plan, wide), scheduled[name])
                        for _ in range(args.rounds)]
