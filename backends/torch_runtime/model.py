@@ -242,7 +242,8 @@ def sample_inputs(seed: int, sample_id: str, tiles: int, text_tokens: int, image
         real, pixels = text[sample_id], None
         if need_pixels:
             tiles_of = [image.pixels(sample_id) for image in real.images]
-            pixels = torch.from_numpy(np.concatenate(tiles_of)) if tiles_of else torch.zeros(0, 3, image_size, image_size)
+            pixels = (torch.from_numpy(np.concatenate(tiles_of)) if tiles_of
+                      else torch.zeros(0, 3, image_size, image_size))
         return pixels, torch.from_numpy(real.ids[real.text])
     g = torch.Generator().manual_seed(stable_seed(seed, f"sample:{sample_id}"))
     tokens = torch.randint(0, vocab, (int(text_tokens),), generator=g)

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dflop.errors import DflopError
+from dflop.specs.loading import load_json
 from dflop.specs.models import EncoderSpec, TilingSpec
 from dflop.workload.manifest import read_manifest
 from dflop.workload.sample import SampleTable
@@ -84,8 +85,9 @@ class ChatTemplate:
     def encode(self, messages: list[dict[str, str]], where: str,
                images: tuple[ImageRef | VideoRef, ...] = ()) -> Encoded:
         """The ids and targets of ``messages``, each ``<image>`` or ``<video>`` repeated to its image's
-        or video's tokens (as the checkpoint's processor expands it); a template that fails, or that renders an assistant turn
-        without its content and an end-of-turn token after it, is an error naming ``where``."""
+        or video's tokens (as the checkpoint's processor expands it); a template that fails, or that
+        renders an assistant turn without its content and an end-of-turn token after it, is an error
+        naming ``where``."""
         import jinja2
 
         try:
@@ -150,12 +152,7 @@ def load_chat(folder: str | Path) -> ChatTemplate:
     folder = Path(folder)
     tokenizer = load_tokenizer(folder).tokenizer
     config_file, jinja_file = folder / "tokenizer_config.json", folder / "chat_template.jinja"
-    config: dict[str, Any] = {}
-    if config_file.is_file():
-        try:
-            config = json.loads(config_file.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise DflopError(f"{config_file}: not JSON ({exc})") from None
+    config = load_json(config_file) if config_file.is_file() else {}
     source = config.get("chat_template") if isinstance(config, dict) else None
     if isinstance(source, list):  # named templates: the default one
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
@@ -165,11 +162,7 @@ def load_chat(folder: str | Path) -> ChatTemplate:
         raise DflopError(f"{folder}: no chat template (tokenizer_config.json's chat_template or chat_template.jinja)")
     variables = {k: t for k in SPECIAL if (t := _token(config.get(k))) is not None}
     specials = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
-    path = folder / "config.json"
-    try:
-        model = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DflopError(f"{path}: not JSON ({exc})") from None
+    model = load_json(folder / "config.json") if (folder / "config.json").is_file() else {}
     model = model if isinstance(model, dict) else {}
     return ChatTemplate(_compile(source, folder), tokenizer, variables, f"chat template of {folder}", specials,
                         folder, _media_token(folder, model, tokenizer, IMAGE, "image"),
@@ -245,7 +238,8 @@ def messages_of(entry: Any, parsed: Parsed, where: str) -> list[dict[str, str]]:
             raise DflopError(f"{where}: images or video with turns that are not plain text: real samples take "
                              "LLaVA's and ShareGPT's text turns with <image> or <video> placeholders for now")
         tag, n = (VIDEO, 1) if parsed.videos else (IMAGE, len(parsed.images))
-        written = [text.replace(IMAGE, VIDEO) for text in written] if parsed.videos else written  # LLaVA-Video writes <image>
+        if parsed.videos:  # LLaVA-Video writes <image> for its video
+            written = [text.replace(IMAGE, VIDEO) for text in written]
         placed = sum(text.count(tag) for text in written)
         if placed == 0 and USER in roles:
             first = roles.index(USER) - system
@@ -307,7 +301,7 @@ def encode_dataset(path: str | Path, encoder: EncoderSpec, chat: ChatTemplate,
         if (sum(im.tiles for im in encoded.images), int(encoded.media.sum()) if encoded.images else 0) \
                 != (table.tiles[i], table.image_tokens[i]):
             raise DflopError(f"{path}: sample {table.ids[i]!r}: its images' tiles and tokens differ from the data "
-                             "profile's (a preference pair or video: not trained on real samples yet)")
+                             "profile's (a preference pair: not trained on real samples yet)")
     by_id = dict(zip((str(i) for i in table.ids), tokens.encoded))
     out = []
     for batch in batches:

@@ -13,14 +13,14 @@ so the profile's tiles and tokens are the ones that run.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from dflop.errors import DflopError
+from dflop.specs.loading import load_json
 from dflop.specs.models import TilingSpec
 from dflop.workload.vision import anyres_grid
 
@@ -56,14 +56,13 @@ def load_image_rule(folder: str | Path, tiling: TilingSpec) -> ImageRule:
                          "(LLaVA-OneVision's anyres is; data: {synthetic: true} trains on synthetic inputs)")
     if not path.is_file():
         return ImageRule(tiling)
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DflopError(f"{path}: not readable as JSON ({exc})") from None
+    raw = load_json(path)
+    raw = raw if isinstance(raw, dict) else {}
     size = raw.get("size") or {}
     side = size.get("height", size.get("shortest_edge")) if isinstance(size, dict) else None
     if side is not None and side != tiling.tile_size:
-        raise DflopError(f"{path}: 'size': {side} pixels a tile, but config.json's vision tower takes {tiling.tile_size}")
+        raise DflopError(f"{path}: 'size': {side} pixels a tile, but config.json's vision tower takes "
+                         f"{tiling.tile_size}")
     pinpoints = raw.get("image_grid_pinpoints")
     if pinpoints is not None and tiling.pinpoints and [list(p) for p in tiling.pinpoints] != pinpoints:
         raise DflopError(f"{path}: 'image_grid_pinpoints' differ from config.json's")
@@ -72,11 +71,11 @@ def load_image_rule(folder: str | Path, tiling: TilingSpec) -> ImageRule:
         value = raw.get(key, getattr(rule, name))
         if not (isinstance(value, list | tuple) and len(value) == 3 and all(isinstance(v, int | float) for v in value)):
             raise DflopError(f"{path}: '{key}': expected three numbers, got {value!r}")
-        rule = ImageRule(**{**rule.__dict__, name: tuple(float(v) for v in value)})
+        rule = replace(rule, **{name: tuple(float(v) for v in value)})
     rescale, resample = raw.get("rescale_factor", rule.rescale), raw.get("resample", rule.resample)
     if not isinstance(rescale, int | float) or isinstance(rescale, bool) or resample not in range(6):
         raise DflopError(f"{path}: 'rescale_factor' or 'resample' is not what an image processor takes")
-    return ImageRule(tiling, rule.mean, rule.std, float(rescale), int(resample))
+    return replace(rule, rescale=float(rescale), resample=int(resample))
 
 
 def open_rgb(path: str | Path, where: str):  # noqa: ANN201 - PIL.Image.Image
