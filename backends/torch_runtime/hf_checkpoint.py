@@ -11,7 +11,8 @@ shards what a rank read (each rank reads its stages' TP-local tensors whole).
 Names are data: a checkpoint name is first rewritten to a canonical one
 (``PREFIXES``: transformers 5 writes LLaVA-OneVision as ``language_model.model.*``,
 released checkpoints and ``LlavaOnevisionModel`` as ``model.language_model.*``),
-and dflop's parameters name their canonical counterparts (``TOP``, ``BLOCKS``).
+and dflop's parameters name their canonical counterparts (``Names``: the LLM's, and each
+encoder family's).
 Layouts agree as they are: Qwen2, Llama and Mistral keep q, k and v separate, as
 dflop does; dflop's ``rotary`` pairs channel i with i + head_dim / 2 at angle
 position x theta^(-2i/head_dim), which is transformers' ``rotate_half``; norm
@@ -31,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from dflop.errors import DflopError
+from dflop.specs.hf_config import llm_from_hf_config
 from dflop.specs.loading import load_json
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module
@@ -39,7 +41,8 @@ from dflop.backends.torch_runtime.parallel import local
 
 LLM_TYPES = ("qwen2", "llama", "mistral")
 """Plain LLM checkpoints (``model_type``) dflop's decoder computes exactly."""
-VLM_TYPES = ("llava_onevision",)
+VLM_TYPES = {"llava_onevision": "siglip", "internvl": "internvit"}
+"""Vision-language checkpoints (``model_type``) dflop's model computes exactly, and their encoder family."""
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -55,31 +58,59 @@ PREFIXES = (
 """Checkpoint name prefix -> canonical prefix; the first that matches wins (longest first)."""
 LLM_STYLE = {to: prefix for prefix, to in PREFIXES if prefix in ("model.", "lm_head.")}
 """Canonical prefix -> the prefix a plain LLM checkpoint (Qwen2, Llama) writes for it."""
-TOP = {
-    Module.LLM: {"embed.weight": "llm.embed_tokens.weight", "norm.weight": "llm.norm.weight",
-                 "head.weight": "head.weight"},
-    Module.ENCODER: {"embed.conv.weight": "vision.embeddings.patch_embedding.weight",
-                     "embed.conv.bias": "vision.embeddings.patch_embedding.bias",
-                     "embed.position": "vision.embeddings.position_embedding.weight",
-                     "projector.layers.0.weight": "projector.linear_1.weight",
-                     "projector.layers.0.bias": "projector.linear_1.bias",
-                     "projector.layers.2.weight": "projector.linear_2.weight",
-                     "projector.layers.2.bias": "projector.linear_2.bias", "newline": "newline"},
+
+
+@dataclass(frozen=True)
+class Names:
+    """dflop's parameters of one module as a checkpoint family names them (canonical names)."""
+
+    top: dict[str, str]
+    """Parameters outside the blocks (stage-local names) -> canonical names."""
+    blocks: str
+    """The canonical prefix of layer i (``{blocks}.{i}.``)."""
+    parts: dict[str, str]
+    """Each block part (``q``, ``ls1``) -> its name in the layer."""
+
+
+LLM_NAMES = Names(
+    {"embed.weight": "llm.embed_tokens.weight", "norm.weight": "llm.norm.weight", "head.weight": "head.weight"},
+    "llm.layers", {"norm1": "input_layernorm", "norm2": "post_attention_layernorm", "q": "self_attn.q_proj",
+                   "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                   "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"})
+ENCODER_NAMES = {
+    "siglip": Names(  # LLaVA-OneVision: SigLIP, LLaVA's projector, the image newline
+        {"embed.conv.weight": "vision.embeddings.patch_embedding.weight",
+         "embed.conv.bias": "vision.embeddings.patch_embedding.bias",
+         "embed.position": "vision.embeddings.position_embedding.weight",
+         "projector.layers.0.weight": "projector.linear_1.weight", "projector.layers.0.bias": "projector.linear_1.bias",
+         "projector.layers.2.weight": "projector.linear_2.weight", "projector.layers.2.bias": "projector.linear_2.bias",
+         "newline": "newline"},
+        "vision.encoder.layers", {"norm1": "layer_norm1", "norm2": "layer_norm2", "q": "self_attn.q_proj",
+                                  "k": "self_attn.k_proj", "v": "self_attn.v_proj", "proj": "self_attn.out_proj",
+                                  "fc1": "mlp.fc1", "fc2": "mlp.fc2"}),
+    "internvit": Names(  # transformers' InternVL: InternViT with its class token, the normalising projector
+        {"embed.conv.weight": "vision.embeddings.patch_embeddings.projection.weight",
+         "embed.conv.bias": "vision.embeddings.patch_embeddings.projection.bias",
+         "embed.cls": "vision.embeddings.cls_token", "embed.position": "vision.embeddings.position_embeddings",
+         "projector.norm.weight": "projector.layer_norm.weight", "projector.norm.bias": "projector.layer_norm.bias",
+         "projector.layers.0.weight": "projector.linear_1.weight", "projector.layers.0.bias": "projector.linear_1.bias",
+         "projector.layers.2.weight": "projector.linear_2.weight", "projector.layers.2.bias": "projector.linear_2.bias"},
+        "vision.encoder.layer", {"norm1": "layernorm_before", "norm2": "layernorm_after", "q": "attention.q_proj",
+                                 "k": "attention.k_proj", "v": "attention.v_proj", "proj": "attention.projection_layer",
+                                 "q_norm": "attention.q_norm", "k_norm": "attention.k_norm", "fc1": "mlp.fc1",
+                                 "fc2": "mlp.fc2", "ls1": "lambda_1", "ls2": "lambda_2"}),
 }
-"""dflop's parameters outside the blocks (stage-local names) -> canonical checkpoint names."""
-BLOCKS = {
-    Module.LLM: ("llm.layers", {"norm1": "input_layernorm", "norm2": "post_attention_layernorm",
-                                "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-                                "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-                                "down": "mlp.down_proj"}),
-    Module.ENCODER: ("vision.encoder.layers", {"norm1": "layer_norm1", "norm2": "layer_norm2",
-                                               "q": "self_attn.q_proj", "k": "self_attn.k_proj",
-                                               "v": "self_attn.v_proj", "proj": "self_attn.out_proj",
-                                               "fc1": "mlp.fc1", "fc2": "mlp.fc2"}),
-}
-"""Per module: the canonical prefix of layer i, and each block part's checkpoint name."""
+"""Each encoder family's names, by the family's VLM (a plain LLM's folder has no encoder weights)."""
 UNUSED = re.compile(r"vision\.(post_layernorm|head)\..*")
 """Tensors a checkpoint has that its VLM never runs (SigLIP's final norm and pooling head)."""
+
+
+def names(module: Module, family: str) -> Names:
+    if module is Module.LLM:
+        return LLM_NAMES
+    if family not in ENCODER_NAMES:
+        raise DflopError(f"dflop's {family or 'own'} encoder has no Hugging Face checkpoint names")
+    return ENCODER_NAMES[family]
 
 
 def canonical(name: str) -> tuple[str, str, str]:
@@ -98,17 +129,18 @@ def checkpoint_name(name: str, style: dict[str, str]) -> str:
     return style.get(to, to) + name[len(to):]
 
 
-def parameter_name(module: Module, name: str, tied: bool) -> str:
-    """The canonical checkpoint name of dflop's stage-local parameter ``name`` of ``module``."""
-    block = re.fullmatch(r"blocks\.(\d+)\.(\w+)\.(weight|bias)", name)
-    prefix, parts = BLOCKS[module]
-    if block and block[2] in parts:
-        return f"{prefix}.{block[1]}.{parts[block[2]]}.{block[3]}"
+def parameter_name(module: Module, name: str, tied: bool, family: str = "") -> str:
+    """The canonical checkpoint name of dflop's stage-local parameter ``name`` of ``module`` (an
+    encoder's: of the checkpoint's encoder ``family``)."""
+    table = names(module, family)
+    block = re.fullmatch(r"blocks\.(\d+)\.(\w+?)(\.weight|\.bias)?", name)
+    if block and block[2] in table.parts:
+        return f"{table.blocks}.{block[1]}.{table.parts[block[2]]}{block[3] or ''}"
     if tied and module is Module.LLM and name == "head.weight":
         return "llm.embed_tokens.weight"
-    if name not in TOP[module]:
+    if name not in table.top:
         raise DflopError(f"dflop's {module}.{name} has no counterpart in a Hugging Face checkpoint")
-    return TOP[module][name]
+    return table.top[name]
 
 
 @dataclass(frozen=True)
@@ -122,15 +154,17 @@ class Checkpoint:
     """The file that lists the tensors (the index, or the single safetensors file): errors name it."""
     style: dict[str, str]
     """Canonical prefix -> the prefix this checkpoint writes for it (to name a missing tensor as it would)."""
+    tied: bool
+    """Its head is its embedding (as transformers ties them for its ``model_type``)."""
+
+    @property
+    def family(self) -> str:
+        """Its encoder's family ("" for a plain LLM)."""
+        return VLM_TYPES.get(self.config.get("model_type"), "")
 
     @property
     def vision(self) -> bool:
-        return self.config.get("model_type") in VLM_TYPES
-
-    @property
-    def tied(self) -> bool:
-        text = self.config.get("text_config", self.config) if self.vision else self.config
-        return bool(text.get("tie_word_embeddings", self.config.get("tie_word_embeddings", False)))
+        return bool(self.family)
 
     def locate(self, name: str) -> tuple[str, Path]:
         if name not in self.tensors:
@@ -180,14 +214,26 @@ def refusals(config: dict[str, Any]) -> list[tuple[str, Any, str]]:
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
     checks = [(f"{where}hidden_act", text.get("hidden_act", "silu"), "silu"),
               (f"{where}rope type", kind, "default")]
+    vc = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else {}
+    vision_checks = {
+        "llava_onevision": [
+            ("vision_config.model_type", vc.get("model_type"), "siglip_vision_model"),
+            ("vision_config.hidden_act", vc.get("hidden_act", "gelu_pytorch_tanh"), "gelu_pytorch_tanh"),
+            ("multimodal_projector_bias", config.get("multimodal_projector_bias", True), True),
+            ("vision_feature_select_strategy", config.get("vision_feature_select_strategy", "full"), "full")],
+        "internvl": [
+            ("vision_config.model_type", vc.get("model_type"), "internvl_vision"),
+            ("vision_config.hidden_act", vc.get("hidden_act", "gelu"), "gelu"),
+            ("vision_config.use_mean_pooling", vc.get("use_mean_pooling", True), True),  # no final norm
+            ("vision_config.use_absolute_position_embeddings", vc.get("use_absolute_position_embeddings", True),
+             True),
+            ("downsample_ratio", config.get("downsample_ratio", 0.5), 0.5),
+            ("vision_feature_select_strategy", config.get("vision_feature_select_strategy", "default"), "default")],
+    }.get(config.get("model_type"), [])
     if vision:
-        vc = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else {}
-        checks += [("vision_config.model_type", vc.get("model_type"), "siglip_vision_model"),
-                   ("vision_config.hidden_act", vc.get("hidden_act", "gelu_pytorch_tanh"), "gelu_pytorch_tanh"),
-                   ("vision_config.layer_norm_eps", vc.get("layer_norm_eps", 1e-6), 1e-6),
-                   ("projector_hidden_act", config.get("projector_hidden_act", "gelu"), "gelu"),
-                   ("multimodal_projector_bias", config.get("multimodal_projector_bias", True), True),
-                   ("vision_feature_select_strategy", config.get("vision_feature_select_strategy", "full"), "full")]
+        checks += vision_checks + [
+            ("vision_config.layer_norm_eps", vc.get("layer_norm_eps", 1e-6), 1e-6),
+            ("projector_hidden_act", config.get("projector_hidden_act", "gelu"), "gelu")]
     return out + [(k, v, str(want)) for k, v, want in checks if v != want]
 
 
@@ -198,9 +244,10 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
     config = load_json(config_file)
     if not isinstance(config, dict):
         raise DflopError(f"{config_file}: expected a JSON object (a Hugging Face config.json)")
-    if config.get("model_type") not in LLM_TYPES + VLM_TYPES:
+    known = LLM_TYPES + tuple(VLM_TYPES)
+    if config.get("model_type") not in known:
         raise DflopError(f"{config_file}: model_type: {config.get('model_type')!r} is not a checkpoint dflop "
-                         f"loads (known: {', '.join(LLM_TYPES + VLM_TYPES)})")
+                         f"loads (known: {', '.join(known)})")
     for key, value, want in refusals(config):
         raise DflopError(f"{config_file}: {key}: {value!r}: dflop's model computes {want} only")
     listing, files = _listing(folder)
@@ -210,7 +257,7 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
         key, prefix, to = canonical(name)
         tensors[key] = (name, file)
         style.setdefault(to, prefix)
-    return Checkpoint(folder, config, tensors, listing, style)
+    return Checkpoint(folder, config, tensors, listing, style, llm_from_hf_config(config_file).tie_embeddings)
 
 
 def whole_model_shapes(model: MLLMSpec, vision: bool) -> dict[str, tuple[int, ...]]:
@@ -222,7 +269,7 @@ def whole_model_shapes(model: MLLMSpec, vision: bool) -> dict[str, tuple[int, ..
         parts = [(Module.LLM, LLMStage(model, range(model.llm.layers), True, True))]
         if vision:
             parts.append((Module.ENCODER, EncoderStage(model, range(model.encoder.layers), True, True)))
-    return {parameter_name(kind, n, model.llm.tie_embeddings): tuple(p.shape)
+    return {parameter_name(kind, n, model.llm.tie_embeddings, model.encoder.family): tuple(p.shape)
             for kind, stage in parts for n, p in stage.named_parameters()}
 
 
@@ -234,9 +281,8 @@ def check_checkpoint(ckpt: Checkpoint, model: MLLMSpec) -> None:
         for name, shape in need.items():
             hf, file = ckpt.locate(name)
             _check_shape(tuple(opened(file).get_slice(hf).get_shape()), shape, hf, file)
-    layers = model.encoder.layers if ckpt.vision else 0
     for name, (hf, file) in sorted(ckpt.tensors.items()):
-        if name in need or UNUSED.fullmatch(name) or _unrun_layer(name, layers, ckpt.vision):
+        if name in need or UNUSED.fullmatch(name) or _unrun_layer(name, model.encoder.layers, ckpt.family):
             continue
         if model.llm.tie_embeddings and name == "head.weight":
             continue  # some tied checkpoints save the head as well
@@ -244,10 +290,10 @@ def check_checkpoint(ckpt: Checkpoint, model: MLLMSpec) -> None:
                          f"{model.name if ckpt.vision else model.llm.name} takes it)")
 
 
-def _unrun_layer(name: str, layers_run: int, vision: bool) -> bool:
+def _unrun_layer(name: str, layers_run: int, family: str) -> bool:
     """A vision layer after the one whose features the VLM takes (``vision_feature_layer``)."""
-    m = re.match(r"vision\.encoder\.layers\.(\d+)\.", name)
-    return vision and m is not None and int(m[1]) >= layers_run
+    m = re.match(re.escape(ENCODER_NAMES[family].blocks) + r"\.(\d+)\.", name) if family else None
+    return m is not None and int(m[1]) >= layers_run
 
 
 def _check_shape(found: tuple[int, ...], want: tuple[int, ...], hf: str, file: Path) -> None:
@@ -273,7 +319,7 @@ def load_module(module: nn.Module, kind: Module, ckpt: Checkpoint,
     read: dict[str, tuple[int, ...]] = {}
     with torch.no_grad():
         for name, p in module.named_parameters():
-            hf, file = ckpt.locate(parameter_name(kind, name, ckpt.tied))
+            hf, file = ckpt.locate(parameter_name(kind, name, ckpt.tied, ckpt.family))
             view = opened(file).get_slice(hf)
             _check_shape(tuple(view.get_shape()), tuple(p.shape), hf, file)
             part = view[_local_index(p)]

@@ -69,7 +69,7 @@ def hf_tensors(params: dict[str, torch.Tensor], llm: LLMSpec, source: Checkpoint
         module, _, name = key.partition(".")
         if module == Module.ENCODER and not vision:
             continue  # dflop's own encoder beside a plain LLM: no Hugging Face counterpart
-        trained[parameter_name(Module(module), name, tied)] = tensor
+        trained[parameter_name(Module(module), name, tied, source.family if vision else "")] = tensor
     if source is None:
         return {checkpoint_name(n, LLM_STYLE): t for n, t in trained.items()}
     missing = sorted(set(trained) - set(source.tensors))  # before reading a byte of the source

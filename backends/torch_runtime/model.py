@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dflop.models.llm import DecoderBlock, RMSNorm, wide
-from dflop.models.vit import PatchEmbed, Projector, VisionBlock
+from dflop.models.vit import PatchEmbed, Projector, VisionBlock, patch_features
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module
 from dflop.workload.chat import Encoded
@@ -77,8 +77,9 @@ class EncoderStage(nn.Module):
         self.first, self.last = first, last
         self.embed = PatchEmbed(spec) if first else None
         self.blocks = nn.ModuleDict({str(i): VisionBlock(spec) for i in layers})
+        self.spec = spec
         self.projector = Projector(model) if last else None
-        self.newline = nn.Parameter(torch.zeros(model.llm.hidden)) if last else None
+        self.newline = nn.Parameter(torch.zeros(model.llm.hidden)) if last and spec.newline else None
         self.run_block: BlockRunner | None = None
         """How each block is called (activation recomputation, ``recompute.py``); None: plainly."""
 
@@ -93,9 +94,12 @@ class EncoderStage(nn.Module):
             x = block(x) if self.run_block is None else self.run_block(block, x)
         if self.projector is None:
             return x
-        if images is not None:
-            return onevision_layout(self.projector(x), [im for sample in images for im in sample], self.newline)
-        return layout(self.projector(x), tiles, image_tokens, self.newline)
+        features = self.projector(patch_features(self.spec, x))
+        if images is None:
+            return layout(features, tiles, image_tokens, self.newline)
+        if self.newline is None:  # InternVL: every tile's tokens in order, image after image
+            return features.reshape(-1, features.shape[-1])
+        return onevision_layout(features, [im for sample in images for im in sample], self.newline)
 
 
 def onevision_layout(features: torch.Tensor, images: list[ImageRef | VideoRef], newline: torch.Tensor) -> torch.Tensor:
@@ -141,8 +145,10 @@ def unpad(grid: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return grid[:, :, pad:current_w - pad]
 
 
-def layout(features: torch.Tensor, tiles: list[int], image_tokens: list[int], newline: torch.Tensor) -> torch.Tensor:
-    """(tiles, tokens per tile, H) -> (sum image_tokens, H): each sample's first rows, newline rows after."""
+def layout(features: torch.Tensor, tiles: list[int], image_tokens: list[int],
+           newline: torch.Tensor | None) -> torch.Tensor:
+    """(tiles, tokens per tile, H) -> (sum image_tokens, H): each sample's first rows, newline rows
+    after (an encoder without a newline has as many rows as tokens)."""
     per_tile = features.shape[1]
     flat = features.reshape(-1, features.shape[-1])
     start, index = 0, []
@@ -154,6 +160,9 @@ def layout(features: torch.Tensor, tiles: list[int], image_tokens: list[int], ne
         start += have
     idx = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
     out = flat.index_select(0, idx.clamp(min=0).to(flat.device))
+    if newline is None:
+        assert bool((idx >= 0).all()), "image tokens beyond the tiles' features need a newline"
+        return out
     mask = (idx < 0).to(flat.device)[:, None]  # even when no row needs it: every replica gives the newline a
     return torch.where(mask, newline.to(out.dtype).expand_as(out), out)  # gradient, as FSDP's reductions need
 

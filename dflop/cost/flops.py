@@ -120,9 +120,10 @@ def projector_params(model: MLLMSpec) -> int:
     if _merger(model):
         norm = model.encoder.hidden * (1 if model.encoder.norm == "rmsnorm" else 2)
         return norm + d_in * d_in + d_in + d_in * d_out + d_out
+    norm = 2 * d_in if model.encoder.family == "internvit" else 0  # InternVL's mlp1 starts with a LayerNorm
     if model.projector == "linear":
-        return d_in * d_out + d_out
-    return d_in * d_out + d_out + d_out * d_out + d_out
+        return norm + d_in * d_out + d_out
+    return norm + d_in * d_out + d_out + d_out * d_out + d_out
 
 
 def _native_span(enc: EncoderSpec, tiles: Array, samples: Array) -> Array:

@@ -2,9 +2,13 @@
 
 Each tile is its own sequence of patches (all tiles have the same length, so
 attention is an ordinary batched call). SigLIP: LayerNorm, GELU (tanh) MLP,
-biases. InternViT: LayerNorm or RMSNorm, optional query/key normalisation,
-layer scale, and a pixel shuffle that merges 2x2 patches into one token before
-the projector. The projector is LLaVA's two-layer GELU MLP (or a linear map).
+biases. InternViT: a class token before the patches (dropped before the
+projector, as InternVL drops it), LayerNorm or RMSNorm, optional query/key
+normalisation, layer scale, an exact-GELU MLP, and a pixel shuffle that merges
+2x2 patches into one token before the projector. The projector is LLaVA's
+two-layer GELU MLP (or a linear map); InternVL's normalises its input first. The
+class token adds one position to a tile's sequence that the cost model does not
+price (1 in 1025 for InternViT at 448 px).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class VisionBlock(nn.Module):
         scale = spec.family == "internvit"
         self.ls1 = nn.Parameter(0.1 * torch.ones(h)) if scale else None
         self.ls2 = nn.Parameter(0.1 * torch.ones(h)) if scale else None
+        self.gelu = "none" if scale else "tanh"  # InternViT's hidden_act is the exact GELU, SigLIP's the tanh one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tiles, length, _ = x.shape
@@ -56,7 +61,7 @@ class VisionBlock(nn.Module):
                                                                                                q.shape[-1])
         a = self.proj(a)
         x = x + (a * self.ls1 if self.ls1 is not None else a)
-        m = self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+        m = self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate=self.gelu))
         return x + (m * self.ls2 if self.ls2 is not None else m)
 
 
@@ -75,28 +80,43 @@ class Projector(nn.Module):
         super().__init__()
         self.merge = model.encoder.merge
         out = model.llm.hidden
+        # InternVL's mlp1 normalises the shuffled features first (LayerNorm at torch's default epsilon)
+        self.norm = nn.LayerNorm(model.projector_in) if model.encoder.family == "internvit" else None
         if model.projector == "linear":
             self.layers = nn.Sequential(nn.Linear(model.projector_in, out))
         else:
             self.layers = nn.Sequential(nn.Linear(model.projector_in, out), nn.GELU(), nn.Linear(out, out))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.layers(pixel_shuffle(features, self.merge))
+        x = pixel_shuffle(features, self.merge)
+        return self.layers(x if self.norm is None else self.norm(x))
 
 
 class PatchEmbed(nn.Module):
-    """Tiles (n, 3, size, size) to patch features (n, patches, hidden) with learned positions."""
+    """Tiles (n, 3, size, size) to patch features (n, patches, hidden) with learned positions
+    (InternViT: (n, 1 + patches, hidden), its class token first; shaped as InternVL saves them)."""
 
     def __init__(self, spec: EncoderSpec) -> None:
         super().__init__()
         self.side = spec.image_size // spec.patch_size
         self.pixels = self.side * spec.patch_size
         self.conv = nn.Conv2d(3, spec.hidden, kernel_size=spec.patch_size, stride=spec.patch_size)
-        self.position = nn.Parameter(torch.zeros(self.side * self.side, spec.hidden))
+        classed = spec.family == "internvit"
+        self.cls = nn.Parameter(torch.zeros(1, 1, spec.hidden)) if classed else None
+        self.position = nn.Parameter(torch.zeros(1, self.side * self.side + 1, spec.hidden) if classed
+                                     else torch.zeros(self.side * self.side, spec.hidden))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         cropped = pixels[..., :self.pixels, :self.pixels]
-        return self.conv(cropped).flatten(2).transpose(1, 2) + self.position
+        x = self.conv(cropped).flatten(2).transpose(1, 2)
+        if self.cls is not None:
+            x = torch.cat([self.cls.expand(len(x), -1, -1).to(x.dtype), x], dim=1)
+        return x + self.position
+
+
+def patch_features(spec: EncoderSpec, x: torch.Tensor) -> torch.Tensor:
+    """The encoder's output without its class token (InternVL's ``vit_embeds[:, 1:]``)."""
+    return x[:, 1:] if spec.family == "internvit" else x
 
 
 class VisionEncoder(nn.Module):
@@ -115,4 +135,4 @@ class VisionEncoder(nn.Module):
         x = self.embed(pixels)
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.checkpointing and self.training else block(x)
-        return self.projector(x)
+        return self.projector(patch_features(self.spec, x))

@@ -68,7 +68,8 @@ UNCOUNTED_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_i
                   "num_experts_per_tok", "mlp_bias")
 """Keys that, when set, add weights the dense layout does not have (mixture of experts, MLP biases)."""
 SIGLIP_TYPES = frozenset({"siglip_vision_model", "siglip"})
-INTERNVIT_TYPES = frozenset({"intern_vit_6b", "internvit"})
+INTERNVIT_TYPES = frozenset({"intern_vit_6b", "internvit", "internvl_vision"})
+"""InternVL's own InternViT configs, and transformers' (``InternVLVisionConfig``, in ``model_type`` internvl)."""
 CLIP_TYPES = frozenset({"clip_vision_model", "clip"})
 QWEN_VL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen2_vl_vision", "qwen2_5_vl_vision"})
 VISION_DEFAULTS = {
@@ -213,11 +214,26 @@ def llm_from_hf_config(path: str | Path, name: str | None = None) -> LLMSpec:
         layers=s.integer("num_hidden_layers"), hidden=s.integer("hidden_size"), heads=heads,
         kv_heads=s.integer("num_key_value_heads", heads), ffn=s.integer("intermediate_size"),
         vocab=s.integer("vocab_size"), head_dim=head_dim,
-        tie_embeddings=s.flag("tie_word_embeddings", family.tied), qkv_bias=bias or family.qkv_bias, o_bias=bias,
+        tie_embeddings=_tied(s, data, family), qkv_bias=bias or family.qkv_bias, o_bias=bias,
         qk_norm=family.qk_norm, layer_norms=family.layer_norms, rope_theta=_rope_theta(s),
         norm_eps=s.number("rms_norm_eps", 1e-6),
         max_position=s.integer("max_position_embeddings", 32768), source=f"{path}{note}",
     )
+
+
+VLM_TIED = {"internvl": True, "llava_onevision": False}
+"""A VLM whose own config's ``tie_word_embeddings`` ties its head (transformers reads the top-level
+key, with this default): InternVL alone; LLaVA-OneVision ties when either its or its text config's
+key says so."""
+
+
+def _tied(s: _Section, data: dict, family: _Family) -> bool:
+    text = s.flag("tie_word_embeddings", family.tied)
+    top_type = data.get("model_type")
+    if top_type not in VLM_TIED or not s.label:
+        return text
+    top = _Section(s.path, data, "").flag("tie_word_embeddings", VLM_TIED[top_type])
+    return top if top_type == "internvl" else top or text
 
 
 def _rope_theta(s: _Section) -> float:
@@ -387,6 +403,16 @@ def _qwen_fields(path: Path, s: _Section, layers: int) -> dict[str, Any]:
     return fields
 
 
+def _side(s: _Section, key: str) -> int:
+    """A square size: an integer, or transformers' [height, width] of two equal ones (InternVL)."""
+    value = s.get(key)
+    if isinstance(value, list) and len(value) == 2 and value[0] == value[1]:
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{s.where(key)}: expected an integer or [height, width] of two equal integers, got {value!r}")
+    return value
+
+
 def encoder_from_hf_config(path: str | Path, name: str | None = None) -> EncoderSpec:
     """Read a SigLIP, InternViT, CLIP or Qwen2-VL encoder spec from a vision config or a VLM's
     ``vision_config``.
@@ -404,8 +430,8 @@ def encoder_from_hf_config(path: str | Path, name: str | None = None) -> Encoder
         layers = _layers_run(s, top, family)
         return _build(EncoderSpec, s, name=name or _name(path, s.data if s.label else {}, data), family=family,
                       layers=layers, source=str(path), **_qwen_fields(path, s, layers))
-    image_size = top.integer("force_image_size", 0) or s.integer("image_size")
-    patch = s.integer("patch_size")
+    image_size = top.integer("force_image_size", 0) or _side(s, "image_size")
+    patch = _side(s, "patch_size")
     fields: dict[str, Any] = dict(
         name=name or _name(path, s.data if s.label else {}, data), family=family,
         layers=_layers_run(s, top, family), hidden=s.integer("hidden_size"),
@@ -417,7 +443,9 @@ def encoder_from_hf_config(path: str | Path, name: str | None = None) -> Encoder
         fields.update(norm="layernorm", qkv_bias=True, tiling=_clip_tiling(top, image_size, patch))
     else:
         downsample = top.number("downsample_ratio", 0.5)
+        hf = s.data.get("model_type") == "internvl_vision"  # transformers' names, and its defaults
         fields.update(norm="rmsnorm" if s.get("norm_type", "layer_norm") == "rms_norm" else "layernorm",
-                      qk_norm=s.flag("qk_normalization", False), qkv_bias=s.flag("qkv_bias", True),
+                      qk_norm=s.flag("use_qk_norm" if hf else "qk_normalization", False),
+                      qkv_bias=s.flag("attention_bias", False) if hf else s.flag("qkv_bias", True),
                       downsample=downsample, tiling=_internvit_tiling(top, image_size, patch, downsample))
     return _build(EncoderSpec, s, **fields)

@@ -181,6 +181,13 @@ class EncoderSpec:
         return (self.image_size // self.patch_size) ** 2
 
     @property
+    def newline(self) -> bool:
+        """Its VLM follows image rows, images or videos with a learned newline (LLaVA's
+        ``image_newline``); InternVL and LLaVA-1.5 have none."""
+        t = self.tiling
+        return t.newline_tokens or t.video_newline != "none" or t.multi_image_tokens > t.tile_tokens
+
+    @property
     def merge(self) -> int:
         """Patches merged into one output token by pixel shuffle (1, or 4 for InternViT)."""
         return round(1 / (self.downsample * self.downsample))

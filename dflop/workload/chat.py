@@ -35,6 +35,9 @@ USER = "user"
 ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
 """Role names the manifest formats use (LLaVA's from: human/gpt, ShareGPT's role), as the template's."""
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+INTERNVL_IMAGE = ("<img>", "<IMG_CONTEXT>", "</img>")
+"""InternVL's image start, context (the token its features replace) and end tokens: each ``<image>``
+becomes ``<img><IMG_CONTEXT></img>``, the context token repeated to the image's tokens."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ class ChatTemplate:
     checkpoint); None: the checkpoint takes no images."""
     video_token: int | None = None
     """The same of ``<video>``."""
+    image_text: str = IMAGE
+    """What each ``<image>`` placeholder is written as before tokenizing (InternVL: framed by its
+    start and end tokens); the image token in it is repeated to the image's tokens."""
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
         return self.template.render(messages=messages, add_generation_prompt=generation_prompt, **self.variables)
@@ -90,6 +96,8 @@ class ChatTemplate:
         naming ``where``."""
         import jinja2
 
+        if self.image_text != IMAGE:
+            messages = [{**m, "content": m["content"].replace(IMAGE, self.image_text)} for m in messages]
         try:
             text = self.render(messages)
             spans = [self._span(messages, i, text, where) for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -164,9 +172,17 @@ def load_chat(folder: str | Path) -> ChatTemplate:
     specials = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
     model = load_json(folder / "config.json") if (folder / "config.json").is_file() else {}
     model = model if isinstance(model, dict) else {}
+    image_text, image = IMAGE, IMAGE
+    if model.get("model_type") == "internvl":
+        start, image, end = INTERNVL_IMAGE
+        missing = [t for t in (start, end) if tokenizer.token_to_id(t) is None]
+        if missing:
+            raise DflopError(f"{folder}: tokenizer.json has no {missing[0]} token (InternVL frames an image's "
+                             f"tokens with {start} and {end})")
+        image_text = start + image + end
     return ChatTemplate(_compile(source, folder), tokenizer, variables, f"chat template of {folder}", specials,
-                        folder, _media_token(folder, model, tokenizer, IMAGE, "image"),
-                        _media_token(folder, model, tokenizer, VIDEO, "video"))
+                        folder, _media_token(folder, model, tokenizer, image, "image"),
+                        _media_token(folder, model, tokenizer, VIDEO, "video"), image_text)
 
 
 def _media_token(folder: Path, config: dict[str, Any], tokenizer: Any, text: str, kind: str) -> int | None:

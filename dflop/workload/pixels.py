@@ -1,4 +1,4 @@
-"""Images and videos as a LLaVA-OneVision checkpoint's processing feeds them to its encoder.
+"""Images and videos as a LLaVA-OneVision or InternVL checkpoint's processing feeds them to its encoder.
 
 The arithmetic follows transformers' ``LlavaOnevisionImageProcessorPil`` step by step, on
 uint8 pixels through PIL (the resampling is PIL's, so the pixels are the very ones transformers
@@ -7,8 +7,11 @@ centred on black), cut into tiles row by row, after a base tile of the whole ima
 one tile; each image of a multi-image sample is padded to a square with the mean colour and
 squashed to one tile. Then rescaled (float64, as float32) and normalised per channel (float32).
 A video's frames are sampled from the container as LLaVA-NeXT's training code samples them and
-squashed to one tile each. The tiles and the grid are those :mod:`dflop.workload.vision` counts,
-so the profile's tiles and tokens are the ones that run.
+squashed to one tile each. InternVL (transformers' ``GotOcr2ImageProcessorPil`` with
+``crop_to_patches``, InternVL's ``dynamic_preprocess``): every image resized to the grid of
+closest aspect within its tile budget, cut row by row, then a thumbnail of the whole image when
+the grid has more than one tile. The tiles and the grid are those :mod:`dflop.workload.vision`
+counts, so the profile's tiles and tokens are the ones that run.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import numpy as np
 from dflop.errors import DflopError
 from dflop.specs.loading import load_json
 from dflop.specs.models import TilingSpec
-from dflop.workload.vision import anyres_grid
+from dflop.workload.vision import anyres_grid, dynamic_grid
+
 
 class MediaError(DflopError):
     """An image or video that cannot be fed as the profile counted it (it does not decode, or
@@ -31,8 +35,14 @@ class MediaError(DflopError):
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+"""InternVL's normalisation (its checkpoints' ``preprocessor_config.json`` give it too)."""
 BICUBIC = 3
-"""LLaVA-OneVision's processor defaults (PIL's resampling code)."""
+"""Both processors' resampling (PIL's code)."""
+SCHEMES = {("anyres", "one_tile"): (CLIP_MEAN, CLIP_STD), ("dynamic", "dynamic"): (IMAGENET_MEAN, IMAGENET_STD)}
+"""The tilings whose images are read from files (LLaVA-OneVision's, InternVL's) and their default
+normalisation."""
 
 
 @dataclass(frozen=True)
@@ -51,11 +61,12 @@ def load_image_rule(folder: str | Path, tiling: TilingSpec) -> ImageRule:
     """The rule of the checkpoint in ``folder``: its ``preprocessor_config.json`` (the class's
     defaults where it has none); a tile size or grid that contradicts the config is an error."""
     path = Path(folder) / "preprocessor_config.json"
-    if tiling.scheme != "anyres" or tiling.multi_image != "one_tile":
+    if (tiling.scheme, tiling.multi_image) not in SCHEMES:
         raise DflopError(f"{folder}: images of a {tiling.scheme}-tiled encoder are not read from files yet "
-                         "(LLaVA-OneVision's anyres is; data: {synthetic: true} trains on synthetic inputs)")
+                         "(LLaVA-OneVision's and InternVL's are; data: {synthetic: true} trains on synthetic inputs)")
+    rule = ImageRule(tiling, *SCHEMES[tiling.scheme, tiling.multi_image])
     if not path.is_file():
-        return ImageRule(tiling)
+        return rule
     raw = load_json(path)
     raw = raw if isinstance(raw, dict) else {}
     size = raw.get("size") or {}
@@ -66,7 +77,11 @@ def load_image_rule(folder: str | Path, tiling: TilingSpec) -> ImageRule:
     pinpoints = raw.get("image_grid_pinpoints")
     if pinpoints is not None and tiling.pinpoints and [list(p) for p in tiling.pinpoints] != pinpoints:
         raise DflopError(f"{path}: 'image_grid_pinpoints' differ from config.json's")
-    rule = ImageRule(tiling)
+    if tiling.scheme == "dynamic":  # GotOcr2's keys: the tiling config.json gives (max_dynamic_patch), and no other
+        for key, want in (("crop_to_patches", True), ("min_patches", 1), ("max_patches", tiling.max_tiles)):
+            if raw.get(key, want) != want:
+                raise DflopError(f"{path}: '{key}': {raw[key]!r}, but dflop tiles as config.json's InternVL does "
+                                 f"({key}: {want!r}; config.json's max_dynamic_patch sets max_patches)")
     for key, name in (("image_mean", "mean"), ("image_std", "std")):
         value = raw.get(key, getattr(rule, name))
         if not (isinstance(value, list | tuple) and len(value) == 3 and all(isinstance(v, int | float) for v in value)):
@@ -93,13 +108,20 @@ def open_rgb(path: str | Path, where: str):  # noqa: ANN201 - PIL.Image.Image
         raise MediaError(f"{where}: {path}: cannot decode the image ({exc})") from None
 
 
-def image_tiles(image, rule: ImageRule, alone: bool) -> np.ndarray:  # noqa: ANN001 - PIL.Image.Image
-    """(tiles, 3, side, side) float32 of one RGB image: the base tile then the grid row by row
-    when it is its sample's only image (``alone``), else the one padded, squashed tile."""
+def image_tiles(image, rule: ImageRule, alone: bool, most: int = 0) -> np.ndarray:  # noqa: ANN001 - PIL.Image
+    """(tiles, 3, side, side) float32 of one RGB image. anyres: the base tile then the grid row by
+    row when it is its sample's only image (``alone``), else the one padded, squashed tile.
+    dynamic: the grid of at most ``most`` tiles row by row, then the thumbnail."""
     from PIL import Image
 
     side = rule.tiling.tile_size
-    if alone:
+    if rule.tiling.scheme == "dynamic":
+        cols, rows = dynamic_grid(image.size[0], image.size[1], most, rule.tiling)
+        grid = np.asarray(image.resize((cols * side, rows * side), rule.resample))
+        tiles = [grid[i:i + side, j:j + side] for i in range(0, rows * side, side) for j in range(0, cols * side, side)]
+        if rule.tiling.thumbnail and len(tiles) > 1:
+            tiles.append(np.asarray(image.resize((side, side), rule.resample)))
+    elif alone:
         width, height = image.size
         cols, rows = (int(v[0]) for v in anyres_grid(np.array([width]), np.array([height]), rule.tiling))
         target_w, target_h = cols * side, rows * side
@@ -160,7 +182,8 @@ def video_frames(path: str | Path, indices: np.ndarray, where: str) -> list:  # 
 @dataclass(frozen=True)
 class ImageRef:
     """One image of a real sample: its file, the tiles its processor makes of it and where in the
-    grid they sit (``alone``: its sample's only image, tiled anyres; else one tile)."""
+    grid they sit (``alone``: its sample's only image, tiled anyres; else one tile; InternVL:
+    every image tiled dynamically, with at most ``most`` tiles in its grid)."""
 
     path: str
     width: int
@@ -169,6 +192,7 @@ class ImageRef:
     tiles: int
     tokens: int
     rule: ImageRule
+    most: int = 0
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -178,10 +202,11 @@ class ImageRef:
 
     def pixels(self, where: str) -> np.ndarray:
         image = open_rgb(self.path, where)
-        if self.alone and image.size != (self.width, self.height):
+        sized = self.alone or self.rule.tiling.scheme == "dynamic"  # its size chose its tiles
+        if sized and image.size != (self.width, self.height):
             raise MediaError(f"{where}: {self.path}: decodes to {image.size[0]} x {image.size[1]} pixels, but its "
                              f"header said {self.width} x {self.height} when the data was profiled")
-        return image_tiles(image, self.rule, self.alone)
+        return image_tiles(image, self.rule, self.alone, self.most)
 
 
 @dataclass(frozen=True)
@@ -227,12 +252,13 @@ def image_refs(files: list[tuple[Path, tuple[int, int]]], rule: ImageRule) -> tu
     :mod:`dflop.workload.vision` as the data profile counts them."""
     from dflop.workload import vision
 
+    t = rule.tiling
     if len(files) == 1:
         (path, (width, height)), = files
-        tiles, tokens = vision.single_images(np.array([width]), np.array([height]), rule.tiling)
-        return (ImageRef(str(path), width, height, True, int(tiles[0]), int(tokens[0]), rule),)
+        tiles, tokens = vision.single_images(np.array([width]), np.array([height]), t)
+        return (ImageRef(str(path), width, height, True, int(tiles[0]), int(tokens[0]), rule, t.max_tiles),)
     n = len(files)
-    tiles, tokens = vision.multi_image_parts(np.ones(n, dtype=np.int64), np.ones(n, dtype=np.int64),
-                                             np.full(n, n), rule.tiling)
-    return tuple(ImageRef(str(p), w, h, False, int(t), int(k), rule)
-                 for (p, (w, h)), t, k in zip(files, tiles, tokens))
+    width, height = (np.array([size[k] for _, size in files]) for k in (0, 1))
+    tiles, tokens = vision.multi_image_parts(width, height, np.full(n, n), t)
+    return tuple(ImageRef(str(p), w, h, False, int(k), int(m), rule, max(1, t.max_tiles // n))
+                 for (p, (w, h)), k, m in zip(files, tiles, tokens))

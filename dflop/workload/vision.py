@@ -71,7 +71,18 @@ def _dynamic_ratios(max_tiles: int) -> list[tuple[int, int]]:
     return sorted(ratios, key=lambda r: r[0] * r[1])
 
 
+def dynamic_grid(width: int, height: int, max_tiles: int, t: TilingSpec) -> tuple[int, int]:
+    """(columns, rows) of the grid InternVL's ``dynamic_preprocess`` resizes an image to."""
+    return _dynamic_best(width, height, t, _dynamic_ratios(max_tiles))
+
+
 def _dynamic_one(width: int, height: int, t: TilingSpec, ratios: list[tuple[int, int]]) -> int:
+    best = _dynamic_best(width, height, t, ratios)
+    blocks = best[0] * best[1]
+    return blocks + (1 if t.thumbnail and blocks != 1 else 0)
+
+
+def _dynamic_best(width: int, height: int, t: TilingSpec, ratios: list[tuple[int, int]]) -> tuple[int, int]:
     aspect = width / height
     best_diff, best = float("inf"), (1, 1)
     area = width * height
@@ -81,8 +92,7 @@ def _dynamic_one(width: int, height: int, t: TilingSpec, ratios: list[tuple[int,
             best_diff, best = diff, r
         elif diff == best_diff and area > 0.5 * t.tile_size * t.tile_size * r[0] * r[1]:
             best = r
-    blocks = best[0] * best[1]
-    return blocks + (1 if t.thumbnail and blocks != 1 else 0)
+    return best
 
 
 def _dynamic_tiles(width: np.ndarray, height: np.ndarray, max_tiles: np.ndarray, t: TilingSpec) -> np.ndarray:
