@@ -305,6 +305,20 @@ def test_llava_onevision_under_pp2_x_tp2_trains_as_the_reference_and_each_rank_r
 
 
 @pytest.mark.processes
+def test_llava_onevision_under_dp2_zero3_trains_as_the_reference(checkpoints):
+    """FSDP2 shards what each rank read from the checkpoint (the whole of every tensor, then its
+    half kept): after two steps the parameters are the reference's, as from seeded weights."""
+    from dflop.specs import ModulePlan, Plan
+
+    _, folder = checkpoints["llava", True]
+    rows = [(f"s{i}", i % 3, [0, 2, 3][i % 3], 6 + i % 7, [0, 2 * 16 + 3, 3 * 17][i % 3]) for i in range(24)]
+    plan = Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(dp=2), placement="colocated", microbatches=2, zero=3)
+    model, result, ref = trained(folder, plan, batches(rows, 2))
+    assert result.extra["losses"] == pytest.approx(ref.losses, rel=1e-12)
+    assert differences(model, result, ref) < 1e-9
+
+
+@pytest.mark.processes
 def test_a_plain_llm_under_pp2_trains_from_the_loss_transformers_computes(checkpoints):
     """Qwen2 on text-only samples, two pipeline stages: the first step's loss is transformers'
     token-weighted mean over the global batch's samples (the same token ids), and the run ends
