@@ -152,6 +152,8 @@ def test_the_path_reported_is_the_path_written(tmp_path):
     ("execution: {timeout_s: .inf}\n", "run.yaml: execution.timeout_s: must be a finite number, got inf"),
     ("execution: {checkpoint_every: -1}\n", "run.yaml: execution.checkpoint_every: must be at least 0, got -1"),
     ("execution: {lr: 0}\n", "run.yaml: execution: lr: must be positive, got 0.0"),
+    ("execution: {decode_workers: -1}\n", "run.yaml: execution.decode_workers: must be at least 0, got -1"),
+    ("execution: {decode_workers: 1.5}\n", "run.yaml: execution.decode_workers: expected an integer, got"),
     ("execution: {device: tpu}\n", "run.yaml: execution.device: 'tpu' is not one of 'cpu', 'cuda'"),
 ])
 def test_config_errors_name_file_and_key_before_any_work(tmp_path, monkeypatch, extra, message):

@@ -12,7 +12,10 @@ trained on the spot); nothing is downloaded."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
@@ -30,7 +33,7 @@ from dflop.errors import DflopError
 from dflop.specs.hf_config import encoder_from_hf_config
 from dflop.workload.chat import ChatCounter, encode_dataset, load_chat
 from dflop.workload.manifest import read_manifest
-from dflop.workload.pixels import image_tiles, load_image_rule
+from dflop.workload.pixels import MediaError, image_tiles, load_image_rule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the README's example builds the checkpoint
 import llava_checkpoint as example  # noqa: E402
@@ -221,11 +224,12 @@ def test_a_torch_run_trains_on_images_and_video_from_transformers_loss(checkpoin
     """The first step's loss is transformers' on the samples it trained, the loss goes down, and the
     exported folder, loaded by transformers, computes the loss the run recorded for the step after
     its last checkpoint (step 14 of 20: the trained weights, not the initial ones). The 4-process run makes each
-    step's inputs in a thread while the step before runs (``load_ahead``), with the same results."""
+    step's images in a DataLoader worker process ahead of the step (``decode_workers: 1``), with the
+    same results."""
     model, processor, folder = checkpoint
     wide = plan != "colocated dp2"
     run = {**example.RUN, "plan": PLANS[plan], "cluster": {**example.RUN["cluster"], "gpus_per_node": 4 if wide else 2},
-           "execution": {"lr": 1e-2, "checkpoint_every": 7, "load_ahead": wide}}
+           "execution": {"lr": 1e-2, "checkpoint_every": 7, "decode_workers": 1 if wide else 0}}
     path = folder / f"{plan}.yaml".replace(" ", "-")
     path.write_text(yaml.safe_dump(run))
     r = dflop_json("run", "--backend", "torch", "--config", path, "--out", tmp_path / "out")
@@ -245,34 +249,70 @@ def test_a_torch_run_trains_on_images_and_video_from_transformers_loss(checkpoin
                                                      rel=1e-4)
 
 
-def test_load_ahead_makes_the_next_steps_inputs_while_this_step_runs():
-    """With ``load_ahead`` the next step is made while the caller still holds this one (else this
-    wait would time out), the steps come in order, and an error making one is raised at its turn."""
-    import threading
+@dataclass(frozen=True)
+class Traced:
+    """A medium that, decoded, leaves a file ``name`` in ``folder`` and is one tile holding the id of
+    the process that decoded it; ``broken``: it fails then, as a file cut short does."""
 
-    from dflop.backends.torch_runtime.worker import _steps
+    folder: str
+    name: str
+    broken: bool = False
 
-    made = {k: threading.Event() for k in range(4)}
+    def pixels(self, where: str) -> np.ndarray:
+        Path(self.folder, self.name).write_text(str(os.getpid()))
+        if self.broken:
+            raise MediaError(f"{where}: {self.name}: cannot decode the image (cut short)")
+        return np.full((1, 3, 2, 2), os.getpid(), dtype=np.float32)
 
-    def prepared(k):
-        made[k].set()
-        return k
 
+def appears(path: Path, within_s: float = 30) -> bool:
+    """Whether ``path`` exists within ``within_s`` seconds (a worker writes it when it decodes)."""
+    end = time.monotonic() + within_s
+    while not path.exists() and time.monotonic() < end:
+        time.sleep(0.01)
+    return path.exists()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_decode_workers_decode_each_step_in_another_process_ahead_of_it(tmp_path, workers):
+    """With ``decode_workers`` a DataLoader worker process decodes the next step while the caller still
+    holds this one (else the wait for its file would time out); with 0 the caller decodes each step
+    itself, at its turn. Either way the steps come in order, and a medium that fails to decode comes
+    back as its sample's message, not as an error."""
+    from dflop.backends.torch_runtime.decoding import decoded_steps
+
+    steps = range(1, 5)
+    media = {k: {f"s{k}": (Traced(str(tmp_path), f"s{k}"),), f"bad{k}": (Traced(str(tmp_path), f"bad{k}", True),)}
+             for k in steps}
     got = []
-    for k in _steps(prepared, range(1, 4), ahead=True):
+    for item, waited in decoded_steps(media, steps, workers):
+        k = item.step
         got.append(k)
-        assert k == 3 or made[k + 1].wait(timeout=30)
-    assert got == [1, 2, 3] and not made[0].is_set()
+        decoder = int(item.pixels[f"s{k}"].flatten()[0])
+        assert (decoder != os.getpid()) == (workers > 0) and item.seconds > 0 and waited >= 0
+        assert item.pixels[f"bad{k}"] == f"bad{k}: bad{k}: cannot decode the image (cut short)"
+        if k < steps[-1]:
+            assert appears(tmp_path / f"s{k + 1}") if workers else not (tmp_path / f"s{k + 1}").exists()
+    assert got == list(steps) and not (tmp_path / "s0").exists()
 
-    def failing(k):
-        if k == 2:
-            raise DflopError("data.jsonl:2: cannot decode the image")
-        return k
 
-    steps = _steps(failing, range(3), ahead=True)
-    assert next(steps) == 0 and next(steps) == 1
-    with pytest.raises(DflopError, match="cannot decode"):
-        next(steps)
+def test_a_worker_decodes_real_media_as_the_rank_would_and_names_a_file_cut_short(checkpoint, tmp_path):
+    """The images and the video decoded in a worker are the tiles the rank decodes itself, bit for
+    bit; a PNG cut short after its header is its sample's message (the rank then skips it)."""
+    from dataclasses import replace
+
+    from dflop.backends.torch_runtime.decoding import decoded_steps
+
+    _, _, folder = checkpoint
+    _, _, texts = encoded(folder)
+    png = (folder / "square.png").read_bytes()
+    (tmp_path / "square.png").write_bytes(png[:len(png) // 2])
+    cut = tuple(replace(ref, path=str(tmp_path / "square.png")) for ref in texts["square"].images)
+    media = {0: {k: texts[k].images for k in ("one", "two", "clip")}, 1: {"square": cut}}
+    first, second = (item for item, _ in decoded_steps(media, range(2), workers=1))
+    for k in ("one", "two", "clip"):
+        assert torch.equal(first.pixels[k], torch.from_numpy(np.concatenate([r.pixels(k) for r in texts[k].images])))
+    assert "square.png: cannot decode the image" in second.pixels["square"]
 
 
 @pytest.mark.processes

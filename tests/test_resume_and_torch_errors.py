@@ -1,8 +1,9 @@
-"""`dflop run --backend torch` on a folder used before, with --resume, and when it cannot run or is
-stopped: a resume continues exactly the run the folder records or refuses in one line naming what
-contradicts it; a damaged checkpoint is one line naming it; a signal stops every process and ends
-with one line, exit 130. Runs that train are few and tiny (2 processes, 4 steps); most checks stop
-before any process starts."""
+"""`dflop run --backend torch` on a folder used before, with --resume or --init-from, and when it cannot
+run or is stopped: a resume continues exactly the run the folder records or refuses in one line naming
+what contradicts it; a new run from another run's checkpoint, on another plan, continues that run
+exactly or refuses a checkpoint it would not continue; a damaged checkpoint is one line naming it; a
+signal stops every process and ends with one line, exit 130. Runs that train are few and tiny (2
+processes, 4 steps); most checks stop before any process starts."""
 
 import json
 import os
@@ -198,6 +199,113 @@ def test_a_crash_in_the_baseline_arm_resumes_that_arm_alone_from_its_own_checkpo
     assert r["baseline"]["steps"] == 2  # steps 2 and 3, from its step-2 checkpoint
     assert r["baseline"]["losses"] == pytest.approx(before["baseline"]["losses"][2:], rel=1e-6)
     assert (out / "checkpoints" / "baseline" / "step-000004" / "meta.json").exists()
+
+
+TP2 = {"encoder": {"tp": 2}, "llm": {"tp": 2}, "placement": "colocated", "microbatches": 1}
+"""Another plan than the finished run's dp2 on the same 2 processes: every tensor split another way."""
+
+
+def _step_2(out):
+    return (out / "checkpoints" / "dflop" / "step-000002").resolve()
+
+
+@pytest.fixture(scope="module")
+def continued(finished, tmp_path_factory):
+    """A new run on TP2 started with --init-from at the finished dp2 run's step-2 checkpoint."""
+    folder = tmp_path_factory.mktemp("init-from")
+    config = write_config(folder / "tp2.yaml", plan=TP2, **{"execution.calibrate": False})
+    out = folder / "run"
+    ran = dflop_here("run", "--backend", "torch", "--config", config, "--init-from", _step_2(finished.out),
+                     "--out", out, "--json")
+    assert ran.returncode == 0, ran.stderr
+    return SimpleNamespace(config=config, out=out, report=json.loads(ran.stdout))
+
+
+def test_a_new_run_on_another_plan_continues_another_runs_checkpoint(finished, continued):
+    """Both arms start at step 2 with the dp2 run's weights and optimizer states, resharded onto tp2,
+    and train steps 2 and 3 on the samples the dp2 run drew, to its losses (float32: the two plans
+    round apart, far less than a lost optimizer state or a step from the seed would change)."""
+    r, before = continued.report, finished.report
+    assert r["init_from"] == {"checkpoint": str(_step_2(finished.out)), "step": 2}
+    assert r["plan"]["describe"] != before["plan"]["describe"] and r["steps"] == 2
+    for mine, theirs in ((r, before), (r["baseline"], before["baseline"])):
+        assert [t["step"] for t in mine["trained"]] == [2, 3]
+        assert [t["sample_ids"] for t in mine["trained"]] == [t["sample_ids"] for t in theirs["trained"][2:]]
+        assert mine["losses"] == pytest.approx(theirs["losses"][2:], rel=1e-5, abs=0)
+    run = json.loads((continued.out / "run.json").read_text())
+    assert run["execution"]["init_from"] == str(_step_2(finished.out))
+
+
+def test_a_resumed_arm_without_a_checkpoint_of_its_own_starts_again_from_init_from(finished, continued, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(continued.out, out)
+    (out / "baseline.result.json").unlink()
+    shutil.rmtree(out / "checkpoints" / "baseline" / "step-000004")  # it stopped in step 3, before saving
+    args = ["run", "--backend", "torch", "--config", continued.config, "--resume", out]
+    refused = dflop_here(*args)
+    assert_one_line_error(refused, "execution.init_from: the run was made with", "says ''")
+    ran = dflop_here(*args, "--init-from", _step_2(finished.out), "--json")
+    assert ran.returncode == 0, ran.stderr
+    r = json.loads(ran.stdout)
+    assert r["init_from"]["step"] == 2 and [t["step"] for t in r["baseline"]["trained"]] == [2, 3]
+    assert r["baseline"]["losses"] == pytest.approx(continued.report["baseline"]["losses"], rel=1e-6, abs=0)
+
+
+def _incomplete(finished, tmp_path):
+    path = tmp_path / "step-000002"
+    shutil.copytree(_step_2(finished.out), path, ignore=shutil.ignore_patterns("meta.json"))
+    return path
+
+
+INIT_REFUSALS = {  # id: (config changes, the --init-from and other arguments, fragments of the error)
+    "another seed": ({"seed": 1}, lambda f, tmp: [_step_2(f.out)],
+                     ["step-000002/meta.json: 'seed': this checkpoint was saved with 0, the run has 1"]),
+    "a model of another width": ({"llm": WIDER_LLM}, lambda f, tmp: [_step_2(f.out)],
+                                 ["meta.json: 'model.llm.hidden': this checkpoint was saved with 128, the run has 256"]),
+    "another data pool": ({"data.samples": 400}, lambda f, tmp: [_step_2(f.out)],
+                          ["step-000002/meta.json: 'batches': this checkpoint was trained on other global batches "
+                           "than this run's first 2"]),
+    "another global batch": ({"training.global_batch": 8}, lambda f, tmp: [_step_2(f.out)],
+                             ["meta.json: 'batches': this checkpoint was trained on other global batches"]),
+    "no step left after it": ({}, lambda f, tmp: [f.out],  # the run folder: its dflop arm's newest, step 4
+                              ["dflop/step-000004: a checkpoint after step 4, but this run has 4 steps"]),
+    "the simulator": ({}, lambda f, tmp: [_step_2(f.out), "--backend", "sim"],
+                      ["--init-from: the sim backend trains no weights to start from a checkpoint"]),
+    "no such folder": ({}, lambda f, tmp: [tmp / "nothing"], ["--init-from: ", "nothing: no such folder"]),
+    "a folder without checkpoints": ({}, lambda f, tmp: [tmp], ["--init-from: ", "no complete checkpoint"]),
+    "a checkpoint without its meta.json": ({}, lambda f, tmp: [_incomplete(f, tmp)],
+                                           ["step-000002: not a complete checkpoint (no meta.json"]),
+}
+
+
+@pytest.mark.parametrize("case", list(INIT_REFUSALS))
+def test_a_checkpoint_a_new_run_would_not_continue_is_refused_before_any_work(finished, tmp_path, case):
+    changes, arguments, fragments = INIT_REFUSALS[case]
+    config = write_config(tmp_path / "new.yaml", **changes)
+    start, *extra = arguments(finished, tmp_path)
+    out = tmp_path / "run"
+    ran = dflop_here("run", "--backend", "torch", "--config", config, "--out", out, "--init-from", start, *extra)
+    assert_one_line_error(ran, *fragments)
+    assert not (out / "run.json").exists()  # nothing planned
+
+
+def test_init_from_in_a_config_is_relative_to_its_folder(finished, tmp_path):
+    """The checkpoint folder named from the config's folder (its newest checkpoint, after step 4: refused
+    for a run of 4 steps, by its absolute path, before any work)."""
+    (tmp_path / "configs").mkdir()
+    named = os.path.relpath(_step_2(finished.out).parent, tmp_path / "configs")
+    config = write_config(tmp_path / "configs" / "new.yaml", **{"execution.init_from": named})
+    ran = dflop_here("run", "--backend", "torch", "--config", config, "--out", tmp_path / "run")
+    assert_one_line_error(ran, f"{_step_2(finished.out).parent}/step-000004: a checkpoint after step 4")
+
+
+def test_a_checkpoint_of_the_output_folder_is_refused_not_cleared(finished, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished.out, out, ignore=shutil.ignore_patterns("*.distcp"))
+    ran = dflop_here("run", "--backend", "torch", "--config", finished.config, "--out", out,
+                     "--init-from", _step_2(out))
+    assert_one_line_error(ran, "execution.init_from: ", f"is a checkpoint of --out {out}, which this run clears")
+    assert (out / "checkpoints" / "dflop" / "step-000002" / "meta.json").exists()
 
 
 def test_cuda_on_a_machine_without_it_is_one_line_before_any_work(tmp_path, monkeypatch):

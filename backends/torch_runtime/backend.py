@@ -163,6 +163,8 @@ class TorchBackend:
             found = checkpoint.resume_point(Path(opts.checkpoint_dir), len(steps),
                                             checkpoint.identity(opts.seed, runner.system.model))
             opts = replace(opts, resume_from=str(found) if found is not None else "")
+        if opts.init_from and not opts.resume_from:  # a new run, or a resumed arm with no checkpoint of its own
+            opts = replace(opts, resume_from=opts.init_from)
         texts = None
         if self.dataset:  # tokenized here, ahead of every step; a sample that fails is refused before any rank starts
             texts = encode_dataset(self.dataset, runner.system.model.encoder, load_chat(self.options.weights),
@@ -189,7 +191,8 @@ class TorchBackend:
     def session(self, config: RunConfig, folder: Path, *, where: str, resume: bool) -> Iterator[None]:
         """The run's device checked, before any work; under torchrun the process group joined (and
         this rank tied to its agent); the ranks run as ``config.execution`` says (resuming, each arm
-        from its own newest checkpoint); a signal ends the run as an interrupt saying how to go on."""
+        from its own newest checkpoint; with ``init_from``, a step folder the job has checked, each
+        arm without one from that); a signal ends the run as an interrupt saying how to go on."""
         if problem := device_problem(config.execution.device):
             raise DflopError(f"{where}: execution.device: {problem}")
         if under_torchrun():
@@ -312,6 +315,7 @@ class TorchBackend:
             per_step.append({"step": i, "step_s": step_ns / 1e9, "graph_s": graph_ns / 1e9,
                              "optimizer_s": optimizer_ns / 1e9, "compute_s": compute_end / 1e9, "loss": loss,
                              "inputs_s": max(r.steps[i - first]["inputs_s"] for r in results.values()),
+                             "decode_s": max(r.steps[i - first]["decode_s"] for r in results.values()),
                              "sample_ids": [str(x) for x in batch.ids]})
             if observe is not None:
                 observe(ObservedStep(step, start, end))

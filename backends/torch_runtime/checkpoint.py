@@ -12,18 +12,22 @@ reshards from each tensor's global shape. A checkpoint is complete only once its
 
 A resume starts from a checkpoint the launcher has checked first (:func:`resume_point`:
 its ``meta.json`` agrees with its folder, the run's steps, seed and model, and every data
-file its index names is there, whole), so a damaged or foreign checkpoint is one line
-naming it before any rank starts; what only loading finds (a corrupt tensor, a model of
-another shape) is one line too, from the rank (torch raises ``CheckpointException``, a
-``BaseException``, so it is caught by name).
+file its index names is there, whole), and so does a new run that starts from another
+run's checkpoint (:func:`check_start`: the same, and the global batches it was trained on,
+``meta.json``'s ``batches``, are the new run's first ones), so a damaged or foreign
+checkpoint is one line naming it before any rank starts; what only loading finds (a
+corrupt tensor, a model of another shape) is one line too, from the rank (torch raises
+``CheckpointException``, a ``BaseException``, so it is caught by name).
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -32,6 +36,7 @@ import torch.nn as nn
 from dflop.errors import DflopError
 from dflop.specs.loading import first_difference, load_json, save_json, shown, to_mapping
 from dflop.specs.models import MLLMSpec
+from dflop.workload.sample import SampleTable
 
 from dflop.backends.torch_runtime.model import whole_model_name
 
@@ -105,6 +110,27 @@ def identity(seed: int, model: MLLMSpec) -> dict[str, Any]:
     return {"seed": seed, "model": spec}
 
 
+class TrainedBatches:
+    """The digest of a run's first k global batches (each sample's id and shape, in order): what a
+    checkpoint after step k records as ``batches``, so that a run starting from it can tell that its
+    own steps draw the same samples (with the same seed, they do exactly when the data and the
+    global batch are the same). For k increasing, each batch is hashed once."""
+
+    def __init__(self, batches: Iterable[SampleTable]) -> None:
+        self._batches = iter(batches)
+        self._hash = hashlib.sha256()
+        self._done = 0
+
+    def upto(self, k: int) -> str:
+        """The digest of batches 0 to k - 1 (k at least the last one asked for)."""
+        if k < self._done:
+            raise ValueError(f"batches are digested in order: asked for {k}, {self._done} digested")
+        for batch in itertools.islice(self._batches, k - self._done):
+            self._hash.update(json.dumps(batch.columns(), sort_keys=True).encode())
+            self._done += 1
+        return self._hash.hexdigest()
+
+
 def _complete(folder: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every complete checkpoint (its ``meta.json`` written) in ``folder``, oldest first."""
     return [(int(m.group(1)), p) for p in sorted(folder.glob("step-*"))
@@ -134,6 +160,14 @@ def resume_point(folder: Path, steps: int, expect: dict[str, Any]) -> Path | Non
 
 
 def _check_meta(path: Path, step: int, steps: int, expect: dict[str, Any]) -> None:
+    meta = _read_meta(path, step)
+    if not 1 <= step <= steps:
+        raise DflopError(f"{path}: a checkpoint after step {step}, but the run has {steps} steps")
+    _agree(path / META, meta, expect)
+
+
+def _read_meta(path: Path, step: int) -> dict[str, Any]:
+    """The ``meta.json`` of the checkpoint folder ``path`` (of step ``step``): an object whose step is its folder's."""
     meta = load_json(path / META)
     where = path / META
     if not isinstance(meta, dict):
@@ -141,13 +175,41 @@ def _check_meta(path: Path, step: int, steps: int, expect: dict[str, Any]) -> No
     if type(meta.get("step")) is not int or meta["step"] != step:
         raise DflopError(f"{where}: 'step': expected {step}, the step of its folder {path.name}, "
                          f"got {meta.get('step')!r}")
-    if not 1 <= step <= steps:
-        raise DflopError(f"{path}: a checkpoint after step {step}, but the run has {steps} steps")
+    return meta
+
+
+def _agree(where: Path, meta: dict[str, Any], expect: dict[str, Any]) -> None:
+    """Refuse, naming the first field, a ``meta.json`` whose ``expect`` fields are not the run's."""
     for key, value in expect.items():
         if found := first_difference(meta.get(key), value, key):
             field, old, new = found
             raise DflopError(f"{where}: {field!r}: this checkpoint was saved with {shown(old)}, "
                              f"the run has {shown(new)}")
+
+
+def check_start(path: Path, steps: int, expect: dict[str, Any], trained: Callable[[int], str]) -> int:
+    """The step at which a new run of ``steps`` steps starting from the complete checkpoint ``path``
+    (``step-NNNNNN``) begins, checked before any rank starts: its ``meta.json`` agrees with its
+    folder; it leaves a step to train; its ``expect`` fields (:func:`identity`: seed and model) are
+    the run's; it was trained on the run's first global batches (``trained(k)``: the digest of the
+    run's first k, :class:`TrainedBatches`), so every step after it draws the samples the saving
+    run drew; its data files are there, whole. Why: a run continues a checkpoint only where it is
+    the saving run's continuation. DflopError naming the file and the field."""
+    step = int(STEP.fullmatch(path.name).group(1))
+    meta = _read_meta(path, step)
+    if step >= steps:
+        raise DflopError(f"{path}: a checkpoint after step {step}, but this run has {steps} steps: none is left "
+                         "to train after it (give more steps, or an earlier checkpoint)")
+    _agree(path / META, meta, expect)
+    if "batches" not in meta:
+        raise DflopError(f"{path / META}: 'batches': missing (a dflop that did not record the global batches "
+                         "a checkpoint was trained on saved it)")
+    if meta["batches"] != trained(step):
+        raise DflopError(f"{path / META}: 'batches': this checkpoint was trained on other global batches than "
+                         f"this run's first {step} (another data set, data preset or global batch: the steps "
+                         "after it would draw other samples)")
+    check_files(path)
+    return step
 
 
 def check_files(path: Path) -> None:

@@ -144,8 +144,14 @@ class RankStep:
     """Inputs made by ``prepare`` before the step."""
     gpus_per_node: int = 0
     """Of the planned cluster, to name the node of a peer a failure involves (0: name none)."""
+    decoded: dict[str, torch.Tensor | str] | None = None
+    """Pixels decoded ahead (``decoding.decode``), by sample id: a sample's tiles, or why they did not
+    decode; every sample whose pixels this rank feeds is there. None: decoded here, by :meth:`prepare`."""
     inputs_s: float = 0.0
-    """Seconds its inputs took to make (:meth:`prepare`, images decoded)."""
+    """Seconds the rank spent making its inputs (:meth:`prepare`, waiting for its pixels included)."""
+    decode_s: float = 0.0
+    """Seconds decoding its pixels took where it ran: in a worker, ahead; in the rank (no workers),
+    within ``inputs_s``."""
     undecodable: dict[str, str] = field(default_factory=dict)
     """Samples whose media this rank could not make into inputs: id -> why."""
 
@@ -262,7 +268,8 @@ class RankStep:
 
     def prepare(self) -> None:
         """Make every input this worker's forwards read (pixels, tokens, packed positions) before the
-        step starts, as a data loader would: generating them is not the step's work."""
+        step starts, as a data loader would: generating them is not the step's work. The pixels are
+        those of ``decoded`` when given (decoded ahead), else decoded here."""
         for n in self.graph.order[self.w.graph_worker]:
             node = self.graph.nodes[n]
             if node.kind is not Kind.F:
@@ -285,11 +292,14 @@ class RankStep:
     def _make_inputs(self, rows: np.ndarray, pixels: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         b = self.data.batch
         pix, text = [], []
+        here = pixels and self.decoded is None
         for i in rows:
             try:
                 p, tok = sample_inputs(self.w.seed, str(b.ids[i]), int(b.tiles[i]), int(b.text_tokens[i]),
-                                       self.w.image_size, self.w.vocab, need_pixels=pixels, text=self.data.text)
-            except MediaError as exc:  # the step is made again without it, on every rank (worker._skipping)
+                                       self.w.image_size, self.w.vocab, need_pixels=here, text=self.data.text)
+                if pixels and not here:
+                    p = self.decoded_pixels(str(b.ids[i]))
+            except MediaError as exc:  # the step is made again without it, on every rank (worker._undecodable_anywhere)
                 self.undecodable[str(b.ids[i])] = str(exc)
                 p, tok = torch.zeros(int(b.tiles[i]), 3, self.w.image_size, self.w.image_size), torch.zeros(0)
             if p is not None and len(p):
@@ -300,6 +310,16 @@ class RankStep:
             return None, text
         shape = (0, 3, self.w.image_size, self.w.image_size)
         return (torch.cat(pix) if pix else torch.zeros(shape)).to(device=dev, dtype=self.dtype), text
+
+    def decoded_pixels(self, sample_id: str) -> torch.Tensor:
+        """The tiles of ``sample_id`` decoded ahead; a ``MediaError`` where they did not decode."""
+        if sample_id not in self.decoded:
+            raise DflopError(f"rank {self.w.layout.rank}, step {self.step}: sample {sample_id!r} feeds pixels here, "
+                             "but its media were not decoded ahead (StepData.pixel_rows left it out)")
+        got = self.decoded[sample_id]
+        if isinstance(got, str):
+            raise MediaError(got)
+        return got
 
     def sequence(self, rows: np.ndarray) -> tuple[Sequence, torch.Tensor, torch.Tensor, torch.Tensor]:
         key = ("sequence", rows.tobytes())

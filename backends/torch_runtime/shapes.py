@@ -16,7 +16,7 @@ from functools import cached_property
 import numpy as np
 
 from dflop.program.routing import encoder_replicas
-from dflop.specs.plan import Plan
+from dflop.specs.plan import Module, Plan
 from dflop.workload.chat import Encoded
 from dflop.workload.pixels import ImageRef, VideoRef
 from dflop.workload.sample import SampleTable
@@ -54,6 +54,18 @@ class StepData:
                                   & (self.batch.tiles > 0))
             self._cache[key] = rows[np.lexsort((rows, self.assignment[rows] // self.m))]
         return self._cache[key]
+
+    def pixel_rows(self, module: Module, replica: int, colocated: bool) -> np.ndarray:
+        """Samples whose pixels the first stage of ``module``'s replica ``replica`` feeds in the whole
+        step (every microbatch): the encoder's, or a colocated encoder's inside LLM stage 0 (its samples
+        with tiles); none for another LLM's. What ``RankStep.prepare`` makes pixels of, found
+        without the step graph, so that they can be decoded before it is lowered."""
+        if module is Module.ENCODER:
+            return np.concatenate([self.encoder_rows(replica, k) for k in range(self.m)])
+        if not colocated:
+            return np.zeros(0, dtype=np.int64)
+        rows = np.concatenate([self.llm_rows(replica, k) for k in range(self.m)])
+        return rows[self.batch.tiles[rows] > 0]
 
     def bridge_rows(self, j: int, r: int, k: int) -> np.ndarray:
         """Samples with images that encoder replica j sends to LLM replica r in microbatch k."""

@@ -8,14 +8,13 @@ crosses from the launcher to the ranks.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import datetime
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -26,7 +25,7 @@ from dflop.backends.torch_runtime.cpu_process import set_up_cpu_process
 from dflop.timing.dpcomm import shard_degree
 from dflop.program.schedules import splits_backward
 from dflop.program.lowering import lower_step
-from dflop.program.stepgraph import build_workers
+from dflop.program.stepgraph import Worker, build_workers
 from dflop.program.template import Template, build_template
 from dflop.specs.execution import Device, ExecutionSpec
 from dflop.specs.models import MLLMSpec
@@ -35,6 +34,7 @@ from dflop.workload.chat import Encoded
 from dflop.workload.sample import SampleTable
 
 from dflop.backends.torch_runtime import checkpoint
+from dflop.backends.torch_runtime.decoding import Decoded, Media, decoded_steps
 from dflop.backends.torch_runtime.hf_checkpoint import load_stages, open_checkpoint
 from dflop.backends.torch_runtime.model import build_stage
 from dflop.backends.torch_runtime.progress import ProgressFile
@@ -59,7 +59,8 @@ class TorchOptions(ExecutionSpec):
     """Continue from the newest complete checkpoint in checkpoint_dir that has steps left after it
     (from step 0 when there is none)."""
     resume_from: str = ""
-    """That checkpoint, found and checked by the launcher before any rank starts (set by the backend)."""
+    """The checkpoint the ranks start from: that one, or else ``init_from``, found and checked by the
+    launcher before any rank starts (set by the backend)."""
     progress_dir: str = ""
     """Folder where every rank keeps the node it is at, to name it if the rank dies."""
     fail_at: tuple[int, str, str] = (-1, "", "")
@@ -90,8 +91,9 @@ class RankResult:
     start_step: int
     steps: list[dict[str, Any]] = field(default_factory=list)
     """Per step: node times (node -> (start ns, end ns)), end ns, loss part, optimizer ns, the
-    seconds its inputs took to make (before it, or beside the step before with ``load_ahead``), and
-    the samples it skipped (id -> why: their media failed to decode)."""
+    seconds the rank spent making its inputs before it (``inputs_s``: waiting for its pixels
+    included) and that decoding them took where it ran (``decode_s``: in a worker, ahead, with
+    ``decode_workers``), and the samples it skipped (id -> why: their media failed to decode)."""
     parameters: dict[str, Any] = field(default_factory=dict)
     """Full parameters at the end (only when asked, for tests)."""
     weights_read: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -207,11 +209,12 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     folder = Path(opts.checkpoint_dir) if opts.checkpoint_dir else None
     result = RankResult(rank, worker.graph_worker, worker.layout.tp_index, start, weights_read=info["read"])
     meta = {**checkpoint.identity(opts.seed, model), "plan": payload.plan.describe()}
+    trained = checkpoint.TrainedBatches(payload.batches)  # what each checkpoint records it was trained on
     progress = ProgressFile(Path(opts.progress_dir), rank) if opts.progress_dir else None
 
-    def prepared(step: int, skip: dict[str, str] | None = None) -> RankStep:
+    def prepared(step: int, decoded: Decoded | None = None, skip: dict[str, str] | None = None) -> RankStep:
         """Step ``step`` (without the samples ``skip`` names) with every input its forwards read made
-        (images decoded, tokens, positions), and the seconds that took (``inputs_s``)."""
+        (images decoded, or taken from ``decoded``; tokens, positions), and the seconds that took."""
         began = time.perf_counter()
         batch, assignment = payload.batches[step], np.asarray(payload.assignments[step])
         if skip:
@@ -220,24 +223,30 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
         data = StepData(payload.plan, batch, assignment, payload.texts[step] if payload.texts is not None else None)
         run = RankStep(worker, lower_step(template, batch, assignment), data, step, Clock(device), dtype=info["dtype"],
                        hidden={Module.LLM: model.llm.hidden, Module.ENCODER: model.encoder.hidden},
-                       patches=model.encoder.patches_per_tile, progress=progress, gpus_per_node=payload.gpus_per_node)
+                       patches=model.encoder.patches_per_tile, progress=progress, gpus_per_node=payload.gpus_per_node,
+                       decoded=decoded.pixels if decoded is not None else None)
         if opts.fail_at[0] == step and rank == 0:
             run.fail = (opts.fail_at[1], opts.fail_at[2])
         run.prepare()
         run.inputs_s = time.perf_counter() - began
+        run.decode_s = decoded.seconds if decoded is not None else 0.0
         return run
 
-    ahead = opts.load_ahead if opts.load_ahead is not None else device.type == "cuda"
-    for run in _steps(prepared, range(start, len(payload.batches)), ahead):
-        step = run.step
+    steps = range(start, len(payload.batches))
+    media = _rank_media(payload, info["gw"], worker.colocated_encoder is not None, steps)
+    for step, decoded, waited in _decoded(media, steps, opts.decoders):
+        run = prepared(step, decoded)
+        run.inputs_s += waited
         skipped: dict[str, str] = {}
         with _between_steps(run, "barrier"):
             if payload.texts is None:
                 dist.barrier()
             else:  # real media: a barrier that also tells every rank what could not be fed
                 skipped = _undecodable_anywhere(run.undecodable)
-        if skipped:  # every rank makes the step again without those samples: the same step everywhere
-            run = prepared(step, skipped)
+        if skipped:  # every rank makes the step again without those samples (decoding here what it feeds
+            # then: the samples' routing may change), the same step everywhere
+            first, run = run, prepared(step, skip=skipped)
+            run.inputs_s, run.decode_s = run.inputs_s + first.inputs_s, first.decode_s
             with _between_steps(run, "barrier"):
                 dist.barrier()
         clock = run.clock
@@ -254,9 +263,9 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
         marks = clock.resolve()
         result.steps.append({"step": step, "nodes": {n: (marks[a], marks[b]) for n, a, b in run.times},
                              "optimizer": (marks[opt_start], marks[end]), "end": marks[end], "loss": run.loss,
-                             "inputs_s": run.inputs_s, "skipped": skipped})
+                             "inputs_s": run.inputs_s, "decode_s": run.decode_s, "skipped": skipped})
         if folder is not None and opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
-            checkpoint.save(folder, step + 1, saved, optimizer, meta)
+            checkpoint.save(folder, step + 1, saved, optimizer, {**meta, "batches": trained.upto(step + 1)})
     if keep_parameters:
         result.parameters = {n: _full(p).detach().cpu().clone() for n, p in named.items()}
     dist.barrier()
@@ -271,19 +280,30 @@ def _undecodable_anywhere(mine: dict[str, str]) -> dict[str, str]:
     return {k: v for part in everyone for k, v in sorted((part or {}).items())}
 
 
-def _steps(prepared: Callable[[int], RankStep], steps: range, ahead: bool) -> Iterator[RankStep]:
-    """The steps in order, each made by ``prepared``; ``ahead``: the next one made in a thread
-    while the caller runs this one (an error making it is raised when its turn comes)."""
-    if not ahead:
-        yield from map(prepared, steps)
+def _rank_media(payload: Payload, gw: Worker, colocated: bool, steps: range) -> dict[int, Media] | None:
+    """Per step, the media of the samples whose pixels this rank feeds (``StepData.pixel_rows`` of its
+    template worker ``gw``; ``colocated``: it runs the encoder inside LLM stage 0), none on a rank
+    that holds no module's first stage; None for synthetic inputs (nothing to decode)."""
+    if payload.texts is None:
+        return None
+    media: dict[int, Media] = {}
+    for step in steps:
+        data = StepData(payload.plan, payload.batches[step], np.asarray(payload.assignments[step]), payload.texts[step])
+        rows = data.pixel_rows(gw.module, gw.replica, colocated) if 0 in gw.stages else np.zeros(0, dtype=np.int64)
+        media[step] = {i: data.text[i].images for i in map(str, data.batch.ids[rows])}
+    return media
+
+
+def _decoded(media: dict[int, Media] | None, steps: range, workers: int,
+             ) -> Iterator[tuple[int, Decoded | None, float]]:
+    """(step, its media decoded, the seconds the caller waited for them) in order: by ``workers``
+    processes ahead of the caller where the rank feeds any pixels (``decoding.decoded_steps``);
+    (step, None, 0) for synthetic inputs (``media`` None)."""
+    if media is None:
+        yield from ((step, None, 0.0) for step in steps)
         return
-    with concurrent.futures.ThreadPoolExecutor(1, "dflop-load-ahead") as loader:
-        pending = loader.submit(prepared, steps[0]) if steps else None
-        for k in range(len(steps)):
-            run = pending.result()
-            if k + 1 < len(steps):
-                pending = loader.submit(prepared, steps[k + 1])
-            yield run
+    for item, waited in decoded_steps(media, steps, workers if any(media.values()) else 0):
+        yield item.step, item, waited
 
 
 @contextlib.contextmanager

@@ -522,13 +522,17 @@ def backend_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--resume", type=click.Path(exists=True, file_okay=False, writable=True, path_type=Path),
               help="Continue the checkpointed torch run in this folder "
               "(its plans and schedules; needs execution.checkpoint_every in the config).")
+@click.option("--init-from", "init_from", type=click.Path(path_type=Path), metavar="CHECKPOINT",
+              help="torch: start a new run, with plans of its own, from another run's checkpoint (a step-NNNNNN "
+                   "folder, a folder of them: the newest, or a run's --out folder: its dflop arm's newest), at "
+                   "its step, resharded onto each arm's plan (execution.init_from).")
 @click.option("--no-calibrate", "no_calibrate", is_flag=True,
               help="torch: report predictions on the profile as recorded, without first measuring a few of its "
                    "shapes here and scaling them (execution.calibrate: false).")
 @json_option
 def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | None, nodes: int | None,
-        steps: int | None, error: float | None, out: Path, resume: Path | None, no_calibrate: bool,
-        as_json: bool) -> None:
+        steps: int | None, error: float | None, out: Path, resume: Path | None, init_from: Path | None,
+        no_calibrate: bool, as_json: bool) -> None:
     """Plan, schedule every step and execute it: simulated (sim), or trained for real (torch); compare with the
     strongest baseline (with --plan: the same plan on arrival-order batches)."""
     from dflop.backends.base import get_backend
@@ -538,7 +542,8 @@ def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | N
     planned = plan_file(plan_path)
     with progress_bar() as progress:
         data = run_(get_backend(backend), config, steps=steps, out=out, resume=resume, progress=progress,
-                    plan_file=planned, gpus=gpus, nodes=nodes, noise=error, calibrate=False if no_calibrate else None)
+                    plan_file=planned, gpus=gpus, nodes=nodes, noise=error, calibrate=False if no_calibrate else None,
+                    init_from=init_from)
     if data is not None:  # under torchrun only rank 0 reports
         emit(data, as_json, _run_human)
 
@@ -562,6 +567,8 @@ def _run_human(r: dict[str, Any]) -> str:
     trained = "losses" in r
     where = f"{r['plan_gpus']} {r['device']} processes ({r['backend']})" if trained else f"{r['gpus']} x {r['hardware']}"
     lines = [f"{r['model']} on {where}, {r['data']}, global batch {r['global_batch']}, {r['steps']} steps"]
+    if start := r["init_from"]:
+        lines.append(f"from      {start['checkpoint']}: steps {start['step'] + 1} to {start['step'] + r['steps']}")
     if c := r.get("calibration"):
         lines.append(f"calibration: shapes ran {c['ratio']:.2f}x the recorded time here; predictions scaled "
                      f"(uncalibrated: predicted graph {r['uncalibrated_predicted_step_time_s']['mean']:.3f} s, "

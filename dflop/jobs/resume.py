@@ -47,7 +47,7 @@ class Arm:
 
 
 RUN_FILE = "run.json"
-RESULT_FREE = ("timeout_s", "load_ahead")
+RESULT_FREE = ("timeout_s", "decode_workers")
 """Execution settings a resume may change: no result depends on them."""
 ARM_NAMES = ("dflop", "baseline", "baseline_balanced")
 """dflop's plan with its bins, the strongest baseline with its rule, that baseline's plan with dflop's bins."""
@@ -189,9 +189,10 @@ def read_run(folder: Path) -> dict[str, Any]:
 def resume_run(config: RunConfig, config_path: Path | None, folder: Path, *, steps: int | None,
                plan_file: PlanFile | None, gpus: int | None, nodes: int | None, backend: str,
                log: Log) -> tuple[Setup, list[Arm], dict[str, Any]]:
-    """The run in ``folder``, checked against its record: the config, ``--plan``, ``--steps``, ``--gpus``
-    and ``--nodes`` (when given) agree with it, and it is not finished; with what its planning
-    found (``planning``). ``backend``: whose embedded config a run without one ran."""
+    """The run in ``folder``, checked against its record: the config (its ``execution`` as ``config``
+    holds it, the command line's options applied), ``--plan``, ``--steps``, ``--gpus`` and ``--nodes``
+    (when given) agree with it, and it is not finished; with what its planning found (``planning``).
+    ``backend``: whose embedded config a run without one ran."""
     run = read_run(folder)
     if all((folder / f"{name}.result.json").exists() for name in run["plans"]):
         raise DflopError(f"{folder}: this run is finished ({run['steps']} of {run['steps']} steps); nothing to resume")
@@ -201,7 +202,8 @@ def resume_run(config: RunConfig, config_path: Path | None, folder: Path, *, ste
     if config.plan is not None:
         _agree(folder, "plans.dflop", run["plans"]["dflop"], config.plan, f"{config_name} (its plan:) says")
     own = load_plan(_plan_path("dflop", folder))
-    s = setup(config_path, gpus=gpus, nodes=nodes, plan_file=own, backend=backend, log=log)
+    s = setup(config_path, gpus=gpus, nodes=nodes, plan_file=own, backend=backend, log=log,
+              execution=config.execution)
     says = {"dflop_version": "this dflop is", "steps": "--steps says" if steps else f"{config_name} says",
             "cluster": "--gpus/--nodes say" if gpus or nodes else f"{own.path} says"}
     for key, value in run_record(s, steps or s.config.steps).items():

@@ -34,6 +34,7 @@ from dflop.specs.plan_file import PlanFile, save_plan
 from dflop.specs.run import DEFAULTS
 from dflop.timing.steps import CostedPlan
 
+from dflop.jobs.init_from import check_start, with_init_from
 from dflop.jobs.optimize import assess, optimize
 from dflop.jobs.report import gpu_note, optimize_json, plan_summary, step_fields
 from dflop.jobs.resume import RUN_FILE, Arm, clear, plain, resume_run, run_record, save_arm
@@ -52,12 +53,13 @@ what the check found (the run), and the prediction on the profile as recorded an
 
 
 def plan_arms(s: Setup, steps: int, out: Path, log: Log, progress: Progress | None = None,
-              noise: float | None = None) -> tuple[list[Arm], dict[str, Any]]:
+              noise: float | None = None, start: dict[str, Any] | None = None) -> tuple[list[Arm], dict[str, Any]]:
     """The arms, and what planning found (the report's fields no arm measures). Optimize (with a
     plan in the config: assess that plan, its baseline the same plan on arrival order); the arms are
     dflop's plan with its bins, the strongest baseline with its own rule and, as the decomposition's
     middle point, that baseline's plan with dflop's bins (unless that is dflop's plan itself). Each
-    arm's steps are cut ahead, the arms saved, then the run's record (``run.json``)."""
+    arm's steps are cut ahead, the arms saved, then the run's record (``run.json``). ``start``: the
+    checkpoint the run starts from (:func:`dflop.jobs.init_from.check_start`), reported as ``init_from``."""
     if s.config.plan is None:
         log("dflop: searching plans ...")
         result = optimize(s, progress=progress, noise=noise)
@@ -92,7 +94,8 @@ def plan_arms(s: Setup, steps: int, out: Path, log: Log, progress: Progress | No
                      "decomposition": result.decomposition, "ideal_step_time_s": result.ideal_s},
         "prediction_error": expected["prediction_error"], "warnings": expected["warnings"],
         "search": {"seconds": result.seconds, "pruning": expected["pruning"], "why": result.why},
-        "scheduler": infos["dflop"], "plan": str(save_plan(best.plan, out / "plan.yaml", s.system.cluster))}
+        "scheduler": infos["dflop"], "plan": str(save_plan(best.plan, out / "plan.yaml", s.system.cluster)),
+        "init_from": start}
     save_json(out / RUN_FILE, {**run_record(s, steps), "plans": {arm.name: plain(arm.plan) for arm in arms},
                                "planning": plain(planning)})
     return arms, planning
@@ -101,20 +104,21 @@ def plan_arms(s: Setup, steps: int, out: Path, log: Log, progress: Progress | No
 def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: Path, resume: Path | None = None,
         progress: Progress | None = None, plan_file: PlanFile | None = None, gpus: int | None = None,
         nodes: int | None = None, noise: float | None = None, log: Log = log_to_stderr,
-        calibrate: bool | None = None) -> dict[str, Any] | None:
+        calibrate: bool | None = None, init_from: Path | None = None) -> dict[str, Any] | None:
     """Plan (or, resuming, read the run in ``resume``), execute every arm on ``backend`` and compare;
     the JSON of `dflop run` (None on a process that does not report). A plan file (or, resuming,
     the run's own) brings its plan and the cluster it was made for. On a backend that runs on this
     machine, a profiled cost model measured elsewhere is said so first, and (``calibrate``, by default
-    ``execution.calibrate``) calibrated before the first step (:func:`calibrate_arms`)."""
+    ``execution.calibrate``) calibrated before the first step (:func:`calibrate_arms`). ``init_from``
+    (by default ``execution.init_from``): every arm starts from that checkpoint (:mod:`dflop.jobs.init_from`)."""
     if resume is not None and not backend.resumable:
         raise DflopError(f"--resume {resume}: the {backend.name} backend keeps no checkpoints to continue from "
                          "(--resume continues a run of a backend that does: --backend torch)")
-    config = load_config(config_path, backend.defaults)
+    where = str(config_path or DEFAULTS[backend.defaults])
+    config = with_init_from(load_config(config_path, backend.defaults), init_from, backend, where)
     calibrate = backend.calibrates and (config.execution.calibrate if calibrate is None else calibrate)
     folder = resume or out
-    with backend.session(config, folder, where=str(config_path or DEFAULTS[backend.defaults]),
-                         resume=resume is not None):
+    with backend.session(config, folder, where=where, resume=resume is not None):
         bundle, calibration = None, None
         if backend.is_reporting_rank():
             ensure_writable_folder(folder, "output")
@@ -123,10 +127,12 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
                                                gpus=gpus, nodes=nodes, backend=backend.defaults, log=log)
                 _say_machine(backend, s.system, calibrate, log)
             else:
-                s = setup(config_path, gpus=gpus, nodes=nodes, plan_file=plan_file, backend=backend.defaults, log=log)
+                s = setup(config_path, gpus=gpus, nodes=nodes, plan_file=plan_file, backend=backend.defaults, log=log,
+                          execution=config.execution)
+                start = check_start(s, steps or s.config.steps, folder)
                 _say_machine(backend, s.system, calibrate, log)
                 clear(folder, log)  # once the run's inputs are known good: a refused run removes nothing
-                arms, planning = plan_arms(s, steps or s.config.steps, folder, log, progress, noise)
+                arms, planning = plan_arms(s, steps or s.config.steps, folder, log, progress, noise, start)
             todo = [arm for arm in arms if arm.measured is None]
             backend.prepare({arm.name: arm.plan for arm in todo}, len(arms[0].steps), log)
             planned = s.system
@@ -263,6 +269,7 @@ def report(backend: Backend, system: System, arms: list[Arm], planning: dict[str
         "global_batch": system.training.global_batch, "gpus": system.cluster.gpus,
         "hardware": system.hardware.name, "plan_gpus": by_name["dflop"].plan.gpus, "model": system.model.name,
         "data": source, "cost_model": system.cost.name, "scheduler": planning["scheduler"], "search": planning["search"],
+        "init_from": planning.get("init_from"),  # (a run.json from before init_from has none)
     }
     data["artifacts"] = {**mine["artifacts"], "baseline_trace": theirs["artifacts"]["trace"],
                          "timeline": str(timeline), "plan": planning["plan"]}

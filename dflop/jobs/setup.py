@@ -19,6 +19,7 @@ from dflop.cost.system import System
 from dflop.errors import DflopError, PlanError, SpecError
 from dflop.plan.evaluate import PlanningProblem
 from dflop.program.schedules import shape_problem
+from dflop.specs.execution import ExecutionSpec
 from dflop.specs.hardware import ClusterSpec
 from dflop.specs.loading import at, child
 from dflop.specs.plan import Plan
@@ -104,10 +105,14 @@ def load_data(config: RunConfig) -> tuple[SampleTable, str]:
 
 
 def setup(config_path: str | Path | None = None, *, gpus: int | None = None, nodes: int | None = None,
-          plan_file: PlanFile | None = None, backend: str = "sim", log: Log = log_to_stderr) -> Setup:
+          plan_file: PlanFile | None = None, backend: str = "sim", log: Log = log_to_stderr,
+          execution: ExecutionSpec | None = None) -> Setup:
     """The config's system and data; with a plan file, its plan and the cluster it was made for
-    (``gpus`` and ``nodes`` override either)."""
+    (``gpus`` and ``nodes`` override either); ``execution`` in place of the config's (the command
+    line's options applied to it)."""
     config = load_config(config_path, backend)
+    if execution is not None:
+        config = replace(config, execution=execution)
     cluster = config.cluster
     if plan_file is not None:
         config = replace(config, plan=plan_file.plan)

@@ -3,7 +3,7 @@ training, in the background."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -34,12 +34,17 @@ def assigner(s: Setup, runner: CostedPlan, solver: str,
     return assign_
 
 
+def global_batches(s: Setup) -> Iterator[SampleTable]:
+    """The run's global batches, step after step: every arm's, drawn from the data by the run's seed."""
+    return batches(s.data, s.system.training.global_batch, seed=s.config.seed)
+
+
 def schedule_steps(s: Setup, runner: CostedPlan, *, steps: int, solver: str, deadline: float | None = None,
                    batching: Batching = Batching.BALANCED) -> tuple[list[ScheduledBatch], dict[str, Any]]:
     """The first ``steps`` global batches, each partitioned ahead in the background (the solver under
     a deadline, the LPT heuristic when it is late), or cut by a baseline's rule."""
     assign_ = assigner(s, runner, solver, batching)
-    stream = batches(s.data, s.system.training.global_batch, seed=s.config.seed)
+    stream = global_batches(s)
     fallback = assigner(s, runner, "lpt", batching)
     limit = deadline or max(s.config.scheduler.time_limit * 2, 0.5)
     with AsyncScheduler(stream, lambda batch, _: assign_(batch), fallback, deadline=limit) as scheduler:

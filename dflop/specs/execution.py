@@ -17,6 +17,9 @@ MIN_TIMEOUT_S = 10.0
 """The shortest timeout_s: the ranks join their process group within it, and processes started
 together still import torch seconds apart on a busy machine; below it a run fails to form."""
 
+MAX_DECODE_WORKERS = 64
+"""The most decoding processes a rank starts (``decode_workers``)."""
+
 CPU_THREADS = 1
 """Torch threads per CPU rank, and per process of a CPU profile that prices one: ranks of more
 threads than their share of the cores slow each other unpredictably."""
@@ -56,10 +59,17 @@ class ExecutionSpec:
     """Point-to-point and collective timeout: a lost peer fails the run after this at the latest."""
     checkpoint_every: int = field(default=0, metadata=limit(0, MAX_STEPS))
     """Save a checkpoint (torch.distributed.checkpoint) every this many steps; 0: never."""
-    load_ahead: bool | None = None
-    """Make the next step's inputs (its images decoded, its tokens and packed positions) in a thread
-    while this step runs, as a data loader's workers do; None: on GPUs, whose ranks leave CPU cores
-    free, not on CPU, whose ranks are the cores (a thread beside the step would take its time)."""
+    init_from: str = ""
+    """A checkpoint another run saved (``checkpoint_every``) to start this run from: its step folder
+    (``.../step-NNNNNN``), a folder of them (its newest complete one) or a run's output folder (its
+    dflop arm's newest). The run begins at the checkpoint's step with its weights and optimizer
+    states, resharded onto this run's plan (Megatron's ``--load``, torchtitan's ``initial_load_path``);
+    empty: from the seed. Relative to the config's folder."""
+    decode_workers: int | None = field(default=None, metadata=limit(0, MAX_DECODE_WORKERS))
+    """Processes per rank (torch DataLoader workers) that decode its real images and videos, each up
+    to 2 steps ahead of the step running, off its critical path; 0: the rank decodes them itself,
+    at each step's turn, before the step. None: 2 on GPUs, whose ranks leave CPU cores free; 0 on
+    CPU, whose ranks are the cores (a worker would take a rank's time)."""
     calibrate: bool = True
     """Before the first step, measure a few of the profile's shapes here and scale the run's reported
     predictions by what they ran at (``dflop.cost.calibration``): a profile measured on another machine
@@ -73,7 +83,14 @@ class ExecutionSpec:
                 names = ", ".join(m.value for m in kind)
                 require(value in [m.value for m in kind], f"{name}: {value!r} is not one of {names}")
                 object.__setattr__(self, name, kind(value))
-        require(self.load_ahead is None or isinstance(self.load_ahead, bool),
-                f"load_ahead: expected true or false, got {self.load_ahead!r}")
+        require(self.decode_workers is None or type(self.decode_workers) is int,
+                f"decode_workers: expected a whole number of processes, got {self.decode_workers!r}")
         require(self.lr > 0, f"lr: must be positive, got {self.lr}")
         require(self.adam_eps > 0, f"adam_eps: must be positive, got {self.adam_eps}")
+
+    @property
+    def decoders(self) -> int:
+        """``decode_workers``, its default resolved for the device."""
+        if self.decode_workers is not None:
+            return self.decode_workers
+        return 2 if self.device is Device.CUDA else 0

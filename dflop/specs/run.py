@@ -99,7 +99,8 @@ class RunConfig:
 
 def _relative_to(folder: Path, data: object) -> object:
     """The config with its relative file paths (data set, data profile, profile folders,
-    config.json models) made relative to ``folder``, the config's own folder."""
+    config.json models, the checkpoint a run starts from) made relative to ``folder``, the config's
+    own folder."""
     if not isinstance(data, dict):
         return data
 
@@ -116,6 +117,8 @@ def _relative_to(folder: Path, data: object) -> object:
         out["data"] = {k: resolve(v) if k in ("dataset", "profile") else v for k, v in out["data"].items()}
     if isinstance(out.get("profiles"), list):
         out["profiles"] = [resolve(v) for v in out["profiles"]]
+    if isinstance(out.get("execution"), dict) and "init_from" in out["execution"]:
+        out["execution"] = {**out["execution"], "init_from": resolve(out["execution"]["init_from"])}
     return out
 
 
