@@ -8,8 +8,8 @@ writes what a released InternVL-hf checkpoint and a dataset hold: ``config.json`
 ``model.safetensors`` (InternViT + Qwen2 + pixel-shuffle projector, random), ``tokenizer.json``
 with a chat template and InternVL's ``<img>``, ``<IMG_CONTEXT>`` and ``</img>`` tokens,
 ``preprocessor_config.json`` (dynamic tiling, at most 4 tiles and a thumbnail); PNG and JPEG
-images; ``data.jsonl`` (a single image, a multi-image conversation, text only) and ``run.yaml``
-training it on 2 CPU processes. Tiles are 56 pixels (4 x 4 patches, 2 x 2 tokens after the
+images and an MPEG-4 video; ``data.jsonl`` (a single image, a multi-image conversation, text only,
+a video) and ``run.yaml`` training it on 2 CPU processes. Tiles are 56 pixels (4 x 4 patches, 2 x 2 tokens after the
 pixel shuffle).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llava_checkpoint import TEMPLATE, WORDS
+from llava_checkpoint import TEMPLATE, WORDS, write_video
 
 SIDE, MAX_TILES = 56, 4
 IMAGES = {"wide.png": (130, 40), "tall.jpg": (30, 75), "square.png": (56, 56), "small.jpg": (9, 13)}
@@ -36,7 +36,12 @@ ENTRIES = [  # a single image (placeholder written, then not), two images, text 
                        {"from": "gpt", "value": "both a cat ."}, {"from": "human", "value": "same ?"},
                        {"from": "gpt", "value": "the same ."}]},
     {"id": "text", "conversations": [{"from": "human", "value": "what is a cat ?"}, {"from": "gpt", "value": "a cat ."}]},
+    {"id": "clip", "video": "clip.mp4",
+     "conversations": [{"from": "human", "value": "<video>\nwhat is in the video ?"},
+                       {"from": "gpt", "value": "a dog on the mat ."}]},
 ]
+VIDEO = {"clip.mp4": (24, 16, 12, 4)}
+"""width, height, frames, frames per second: InternVL feeds 8 to 32 frames a video (drawn), each a tile."""
 RUN = {"model": {"checkpoint": "."}, "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": 2},
        "training": {"global_batch": 4}, "data": {"dataset": "data.jsonl"}, "steps": 20,
        "plan": {"encoder": {"tp": 2}, "llm": {"tp": 2}, "placement": "colocated", "microbatches": 1},
@@ -83,6 +88,8 @@ def build(folder: Path):  # noqa: ANN201 - the transformers model it saved
     rng = np.random.default_rng(5)
     for name, (w, h) in IMAGES.items():
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / name)
+    for name, (w, h, frames, fps) in VIDEO.items():
+        write_video(folder / name, [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(frames)], fps)
     (folder / "data.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ENTRIES))
     (folder / "run.yaml").write_text(yaml.safe_dump(RUN, sort_keys=False))
     return model
@@ -92,4 +99,5 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     build(Path(sys.argv[1]))
-    print(f"tiny InternVL checkpoint, {len(IMAGES)} images and {len(ENTRIES)} samples -> {sys.argv[1]}")
+    print(f"tiny InternVL checkpoint, {len(IMAGES)} images, {len(VIDEO)} video and {len(ENTRIES)} samples "
+          f"-> {sys.argv[1]}")

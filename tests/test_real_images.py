@@ -196,7 +196,8 @@ def test_the_reference_loss_on_images_is_transformers(checkpoint):
      "bad.jsonl:1: entry 0: an <image> or <video> placeholder in an assistant turn"),
     (lambda e: e["conversations"][0].update(value="<image> <image> what ?"), r"2 <image> and 0 <video> placeholder"),
     (lambda e: [e.pop("image"), e.update(video="clip.mp4", frames=8)],
-     r"bad.jsonl:1: entry 0: .*clip.mp4: real frames are read .* with no 'frames' or 'duration' in the entry"),
+     r"bad.jsonl:1: entry 0: .*clip.mp4: real frames are read for LLaVA-OneVision's video rule .* no 'frames' or "
+     r"'duration' in the entry"),
 ])
 def test_what_cannot_be_fed_as_the_checkpoint_feeds_it_is_one_line(checkpoint, tmp_path, change, message):
     _, _, folder = checkpoint

@@ -1,9 +1,11 @@
-"""Real images on an InternVL checkpoint (transformers' ``InternVLForConditionalGeneration``:
+"""Real images and video on an InternVL checkpoint (transformers' ``InternVLForConditionalGeneration``:
 InternViT with its class token and layer scales, a pixel shuffle, the normalising MLP projector,
 Qwen2): the tiles are ``GotOcr2ImageProcessorPil``'s with ``crop_to_patches`` bit for bit (the
 grid of closest aspect, row by row, then a thumbnail), each ``<image>`` becomes
-``<img><IMG_CONTEXT>...</img>`` as ``InternVLProcessor`` writes it, the data profile counts what
-the backend feeds, and the loss is transformers'. The checkpoint is the example
+``<img><IMG_CONTEXT>...</img>`` as ``InternVLProcessor`` writes it, a video is its frames sampled
+as InternVL's ``get_frame_indices`` (``middle``) samples them, each an image of its own
+(``Frame{i}: <img>...</img>``), the data profile counts what the backend feeds, and the loss is
+transformers'. The checkpoint is the example
 ``examples/internvl_checkpoint.py`` (tiny, random, saved by transformers); nothing is downloaded."""
 
 from __future__ import annotations
@@ -50,9 +52,13 @@ def checkpoint(tmp_path_factory):
     return model, processor, folder
 
 
-def transformers_inputs(processor, entry: dict, folder: Path) -> dict:
+def transformers_inputs(processor, entry: dict, folder: Path, frames: tuple[int, ...] = ()) -> dict:
     """What InternVL's processor makes of an entry (placeholders where dflop places them, each image of
-    a multi-image sample with InternVL's budget of max_tiles // images), labels on the assistant turns."""
+    a multi-image sample with InternVL's budget of max_tiles // images), labels on the assistant turns.
+    A video: its ``frames`` decoded with PyAV, each resized to one tile by the image processor, written
+    as the processor's ``replace_video_token`` writes them (its video processor needs torchvision)."""
+    if "video" in entry:
+        return video_inputs(processor, entry, folder, frames)
     files = entry.get("image", [])
     files = [files] if isinstance(files, str) else files
     turns = [{"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
@@ -74,6 +80,45 @@ def transformers_inputs(processor, entry: dict, folder: Path) -> dict:
     return inputs
 
 
+def video_inputs(processor, entry: dict, folder: Path, frames: tuple[int, ...]) -> dict:
+    import av
+
+    with av.open(str(folder / entry["video"])) as container:
+        decoded = [f.to_image().convert("RGB") for f in container.decode(video=0)]
+    tiles = processor.image_processor(images=[decoded[i] for i in frames], crop_to_patches=False,
+                                      return_tensors="pt")["pixel_values"]
+    written = processor.replace_video_token({"pixel_values_videos": [tiles]}, 0)
+    turns = [{"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"].replace("<video>", written)}
+             for t in entry["conversations"]]
+    made = processor.tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True,
+                                                   return_assistant_tokens_mask=True)
+    ids = torch.tensor([made["input_ids"]])
+    labels = torch.where(torch.tensor(made["assistant_masks"], dtype=torch.bool), ids[0], -100)[None]
+    return {"input_ids": ids, "pixel_values": tiles, "labels": labels}
+
+
+def internvl_middle(num_frames: int, vlen: int) -> list[int]:
+    """InternVL's ``get_frame_indices(num_frames, vlen, sample='middle')``, as its training code writes it."""
+    acc_samples = min(num_frames, vlen)
+    intervals = np.linspace(start=0, stop=vlen, num=acc_samples + 1).astype(int)
+    ranges = []
+    for idx, interv in enumerate(intervals[:-1]):
+        ranges.append((interv, intervals[idx + 1] - 1))
+    frame_indices = [(x[0] + x[1]) // 2 for x in ranges]
+    if len(frame_indices) < num_frames:
+        padded_frame_indices = [frame_indices[-1]] * num_frames
+        padded_frame_indices[:len(frame_indices)] = frame_indices
+        frame_indices = padded_frame_indices
+    return frame_indices
+
+
+@given(frames=st.integers(1, 40), total=st.integers(1, 400))
+def test_a_videos_frames_are_internvls_middle_of_each_segment(frames, total):
+    from dflop.workload.pixels import middle_frames
+
+    assert middle_frames(frames, total).tolist() == internvl_middle(frames, total)
+
+
 def encoded(folder: Path):
     encoder = encoder_from_hf_config(folder / "config.json")
     table = read_manifest(folder / "data.jsonl", encoder,
@@ -82,10 +127,11 @@ def encoded(folder: Path):
 
 
 def transformers_loss(model, processor, folder: Path, entries: list[dict]) -> float:
+    _, _, texts = encoded(folder)
     total, count = 0.0, 0
     with torch.no_grad():
         for entry in entries:
-            inputs = transformers_inputs(processor, entry, folder)
+            inputs = transformers_inputs(processor, entry, folder, frames_of(texts[entry["id"]]))
             n = int((inputs["labels"][0, 1:] != -100).sum())
             total += float(model(**inputs).loss) * n
             count += n
@@ -116,11 +162,19 @@ def test_the_tiles_are_the_processors_pixels_bit_for_bit(checkpoint, width, heig
     assert np.array_equal(got, want) and len(got) == counted[0]
 
 
+def frames_of(encoded) -> tuple[int, ...]:
+    """The frames dflop feeds of a sample's video (none without one)."""
+    from dflop.workload.pixels import VideoRef
+
+    return next((v.indices for v in encoded.images if isinstance(v, VideoRef)), ())
+
+
 def test_each_image_expands_to_the_tokens_the_processor_and_the_profile_count(checkpoint):
     _, processor, folder = checkpoint
     _, table, texts = encoded(folder)
     for i, entry in enumerate(ENTRIES):
-        got, want = texts[entry["id"]], transformers_inputs(processor, entry, folder)
+        got = texts[entry["id"]]
+        want = transformers_inputs(processor, entry, folder, frames_of(got))
         assert got.ids.tolist() == want["input_ids"][0].tolist()
         assert np.array_equal(np.where(got.targets, got.ids, -100), want["labels"][0].numpy())
         assert (int(got.text.sum()), int((~got.text).sum()), sum(im.tiles for im in got.images)) == \
@@ -128,7 +182,10 @@ def test_each_image_expands_to_the_tokens_the_processor_and_the_profile_count(ch
         if got.images:
             pixels = np.concatenate([im.pixels(entry["id"]) for im in got.images])
             assert np.array_equal(pixels, want["pixel_values"].numpy())
-    assert list(table.tiles) == [3 + 1, 1, 2 * (2 + 1), 0]  # wide: 3 x 1, a thumbnail; two tall images of budget 2
+    clip, = texts["clip"].images
+    assert 8 <= clip.tiles <= 32 and list(clip.indices) == internvl_middle(clip.tiles, 12)  # the 12-frame clip
+    assert list(table.tiles) == [3 + 1, 1, 2 * (2 + 1), 0, clip.tiles]  # wide: 3 x 1, a thumbnail; two tall
+    # images of budget 2 each; the video a tile a frame
 
 
 def test_the_reference_loss_on_images_is_transformers(checkpoint):
@@ -169,17 +226,14 @@ def test_what_dflop_would_compute_otherwise_is_one_line(checkpoint, tmp_path, fi
         encoded(folder)
 
 
-def test_a_video_on_internvl_is_refused_in_one_line(checkpoint, tmp_path):
-    from llava_checkpoint import write_video
-
+def test_a_video_whose_entry_gives_its_duration_is_refused_in_one_line(checkpoint, tmp_path):
     _, _, folder = checkpoint
-    write_video(tmp_path / "clip.mp4", [np.zeros((16, 16, 3), dtype=np.uint8)] * 4, 4)
-    entry = {"id": "v", "video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nwhat ?"},
-                                                                {"from": "gpt", "value": "a cat ."}]}
+    entry = {**ENTRIES[-1], "duration": 3.0}
+    shutil.copy(folder / "clip.mp4", tmp_path / "clip.mp4")
     (tmp_path / "v.jsonl").write_text(json.dumps(entry) + "\n")
     encoder = encoder_from_hf_config(folder / "config.json")
     with pytest.raises(DflopError, match=r"v\.jsonl:1: entry 0: .*clip\.mp4: real frames are read for "
-                                         r"LLaVA-OneVision's video rule only"):
+                                         r"LLaVA-OneVision's video rule .* and InternVL's"):
         read_manifest(tmp_path / "v.jsonl", encoder, tokenizer=ChatCounter(load_chat(folder), tiling=encoder.tiling))
 
 
@@ -199,6 +253,7 @@ def test_a_tensor_parallel_run_trains_from_transformers_loss_and_exports_what_it
         return [by_id[i.split(":", 1)[1]] for i in r["trained"][step]["sample_ids"]]
 
     assert r["inputs"].startswith("real samples") and len({e["id"] for e in samples(0)}) == 4
+    assert {e["id"] for step in range(20) for e in samples(step)} == set(by_id)  # the video too
     assert r["trained"][0]["loss"] == pytest.approx(transformers_loss(model, processor, folder, samples(0)), rel=1e-4)
     assert len(r["losses"]) == 20 and max(r["losses"][-4:]) < min(r["losses"][:4])
     export = dflop_json("export", "checkpoint", tmp_path / "out", "--to", "hf", "--out", tmp_path / "hf")

@@ -96,8 +96,7 @@ class ChatTemplate:
         naming ``where``."""
         import jinja2
 
-        if self.image_text != IMAGE:
-            messages = [{**m, "content": m["content"].replace(IMAGE, self.image_text)} for m in messages]
+        messages = [{**m, "content": self._written(m["content"], images)} for m in messages]
         try:
             text = self.render(messages)
             spans = [self._span(messages, i, text, where) for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -118,10 +117,21 @@ class ChatTemplate:
         ids = np.asarray(enc.ids, dtype=np.int64)
         return self._expand(ids, targets, images, where) if images else Encoded(ids, targets)
 
+    def _written(self, text: str, images: tuple[ImageRef | VideoRef, ...]) -> str:
+        """A turn as it is tokenized: InternVL's framing of each ``<image>``, and a video whose frames
+        are images of their own written as InternVL's processor writes it, frame by frame."""
+        if self.image_text != IMAGE:
+            text = text.replace(IMAGE, self.image_text)
+        video = next((v for v in images if isinstance(v, VideoRef) and v.framed), None)
+        if video is not None:
+            text = text.replace(VIDEO, "\n".join(f"Frame{i + 1}: {self.image_text}" for i in range(video.tiles)))
+        return text
+
     def _expand(self, ids: np.ndarray, targets: np.ndarray, images: tuple[ImageRef | VideoRef, ...],
                 where: str) -> Encoded:
         at = np.flatnonzero((ids == self.image_token) | (ids == self.video_token))
-        kinds = [self.video_token if isinstance(image, VideoRef) else self.image_token for image in images]
+        kinds = [self.video_token if isinstance(image, VideoRef) and not image.framed else self.image_token
+                 for image in images for _ in image.slots]
         if ids[at].tolist() != kinds:
             raise DflopError(f"{where}: {self.name}: renders {len(at)} image or video token(s) where the entry has "
                              f"{len(images)} image(s) or video(s) in that order")
@@ -129,7 +139,7 @@ class ChatTemplate:
             raise DflopError(f"{where}: an <image> or <video> placeholder in an assistant turn (they are the model's "
                              "input)")
         repeat = np.ones(len(ids), dtype=np.int64)
-        repeat[at] = [image.tokens for image in images]
+        repeat[at] = [n for image in images for n in image.slots]
         media = np.zeros(len(ids), dtype=bool)
         media[at] = True
         return Encoded(np.repeat(ids, repeat), np.repeat(targets, repeat), np.repeat(media, repeat), images)
@@ -283,6 +293,9 @@ class ChatCounter(TokenCounter):
         if images:
             return where, messages, image_refs(list(images), self.rule(where))
         return where, messages, tuple(video_ref(path, header, self.rule(where), where) for path, header in videos)
+
+    def fed_frames(self, prepared: Any) -> list[int] | None:
+        return [ref.tiles for ref in prepared[2] if isinstance(ref, VideoRef)] or None
 
     def rule(self, where: str) -> ImageRule:
         if self.chat.image_token is None or self.tiling is None:

@@ -196,13 +196,17 @@ class _Reader:
                 continue
             schemas[schema] += 1
             sample_id = str(parsed.id) if parsed.id is not None else f"{id_prefix}{index}"
+            prepared = self.tokens.entry(
+                raw, parsed, where, [(ctx.image_root / image, size) for image, size in zip(parsed.images, sizes)],
+                [(ctx.video_root / video, info) for video, info in zip(parsed.videos, videos)]) if batched else None
+            fed = self.tokens.fed_frames(prepared) if batched else None
+            if fed:  # the frames its videos are fed, as given frames: the profile counts what runs
+                videos = [(frames, *info[1:]) for frames, info in zip(fed, videos)]
             row = columns.add(sample_id, 0 if batched else estimate_text_tokens(parsed.turns), sizes, videos,
                               parsed.copies)
             positions.append(index)
             if batched:
-                pending.append((row, self.tokens.entry(
-                    raw, parsed, where, [(ctx.image_root / image, size) for image, size in zip(parsed.images, sizes)],
-                    [(ctx.video_root / video, info) for video, info in zip(parsed.videos, videos)])))
+                pending.append((row, prepared))
                 if len(pending) >= TOKENIZE_CHUNK:
                     self._tokenize(columns, pending)
             self.read += 1

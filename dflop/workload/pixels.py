@@ -17,6 +17,7 @@ counts, so the profile's tiles and tokens are the ones that run.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -159,23 +160,33 @@ def frame_indices(total: int, fps: float, tiling: TilingSpec) -> np.ndarray:
     return np.linspace(0, total - 1, tiling.max_frames, dtype=int) if len(picked) > tiling.max_frames else picked
 
 
+def middle_frames(frames: int, total: int) -> np.ndarray:
+    """InternVL's ``get_frame_indices`` with ``sample='middle'``: the middle frame of each of
+    ``min(frames, total)`` equal segments of a ``total``-frame video, the last repeated up to ``frames``."""
+    taken = min(frames, total)
+    edges = np.linspace(0, total, taken + 1).astype(int)
+    middle = (edges[:-1] + edges[1:] - 1) // 2
+    return np.concatenate([middle, np.full(frames - taken, middle[-1])])
+
+
 def video_frames(path: str | Path, indices: np.ndarray, where: str) -> list:  # noqa: ANN201 - PIL images
     """Frames ``indices`` of the first video stream of ``path``, decoded with PyAV, as RGB images."""
     import av
 
     wanted, frames = set(indices.tolist()), {}
+    last = int(indices.max())
     try:
         with av.open(str(path)) as container:
             for i, frame in enumerate(container.decode(video=0)):
                 if i in wanted:
                     frames[i] = frame.to_image().convert("RGB")
-                if i >= indices[-1]:
+                if i >= last:
                     break
     except Exception as exc:  # noqa: BLE001 - FFmpeg reports bad streams with many error types
         raise MediaError(f"{where}: {path}: cannot decode the video ({exc})") from None
     if len(frames) != len(wanted):
         raise MediaError(f"{where}: {path}: decodes to fewer frames than its header gives ({len(frames)} of the "
-                         f"{len(wanted)} sampled up to frame {int(indices[-1])})")
+                         f"{len(wanted)} sampled up to frame {last})")
     return [frames[i] for i in indices.tolist()]
 
 
@@ -195,6 +206,11 @@ class ImageRef:
     most: int = 0
 
     @property
+    def slots(self) -> list[int]:
+        """The tokens of its one placeholder."""
+        return [self.tokens]
+
+    @property
     def grid(self) -> tuple[int, int]:
         """(columns, rows) of its anyres grid."""
         cols, rows = anyres_grid(np.array([self.width]), np.array([self.height]), self.rule.tiling)
@@ -212,8 +228,9 @@ class ImageRef:
 @dataclass(frozen=True)
 class VideoRef:
     """A video of a real sample: its file, the frames fed (one tile each: squashed to the encoder's
-    side, as LLaVA-NeXT's training code feeds them) and its tokens (each frame's features pooled
-    2 x 2, one newline after the video: LLaVA-OneVision's ``get_video_features``)."""
+    side, as LLaVA-NeXT's and InternVL's training code feed them) and its tokens (LLaVA-OneVision's
+    ``get_video_features``: each frame's features pooled 2 x 2, one newline after the video;
+    InternVL: each frame its own image, ``Frame{i}: <img>...</img>``)."""
 
     path: str
     indices: tuple[int, ...]
@@ -223,6 +240,16 @@ class VideoRef:
     @property
     def tiles(self) -> int:
         return len(self.indices)
+
+    @property
+    def framed(self) -> bool:
+        """Each frame is its own image placeholder (InternVL), rather than one for the video."""
+        return self.rule.tiling.video_sampling == "uniform"
+
+    @property
+    def slots(self) -> list[int]:
+        """The tokens of each of its placeholders."""
+        return [self.rule.tiling.frame_tokens] * self.tiles if self.framed else [self.tokens]
 
     def pixels(self, where: str) -> np.ndarray:
         side, resample = self.rule.tiling.tile_size, self.rule.resample
@@ -238,12 +265,18 @@ def video_ref(path: Path, header: tuple[int, float, int, float], rule: ImageRule
 
     given, seconds, total, fps = header
     t = rule.tiling
-    if t.video_sampling != "fps" or t.video_newline != "one_token" or given or seconds or not total:
-        raise DflopError(f"{where}: {path}: real frames are read for LLaVA-OneVision's video rule only (frames from "
-                         "the container at the config's fps, one newline after the video), with no 'frames' or "
-                         "'duration' in the entry")
-    indices = frame_indices(total, fps, t)
-    frames, tokens = vision.videos(np.array([len(indices)]), t)
+    internvl = t.video_sampling == "uniform" and t.video_newline == "none"
+    if not (internvl or (t.video_sampling == "fps" and t.video_newline == "one_token")) or seconds or not total \
+            or (given and not internvl):
+        raise DflopError(f"{where}: {path}: real frames are read for LLaVA-OneVision's video rule (frames from the "
+                         "container at the config's fps, one newline after the video; no 'frames' or 'duration' in "
+                         "the entry) and InternVL's (a frame count drawn per video, or the entry's 'frames')")
+    if internvl:  # InternVL draws min..max frames a video; here once per file, so the profile and the run agree
+        drawn = vision.uniform_frames(1, t, np.random.default_rng(zlib.crc32(str(path).encode())))[0]
+        indices = middle_frames(int(given or drawn), total)
+    else:
+        indices = frame_indices(total, fps, t)
+    _, tokens = vision.videos(np.array([len(indices)]), t)
     return VideoRef(str(path), tuple(int(i) for i in indices), int(tokens[0]), rule)
 
 

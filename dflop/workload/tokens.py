@@ -48,6 +48,11 @@ class TokenCounter:
         the container header say of its length)."""
         return parsed.turns
 
+    def fed_frames(self, prepared: Any) -> list[int] | None:
+        """The frames each video of an entry (its :meth:`entry`) is fed, where this counter decides
+        them (real videos: the frames the run decodes); None: the reader's rule counts them."""
+        return None
+
     def count(self, entries: list[list[str]]) -> list[int]:
         if self.tokenizer is None:
             return [estimate_text_tokens(turns) for turns in entries]
