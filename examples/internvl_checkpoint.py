@@ -15,31 +15,13 @@ pixel shuffle).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from llava_checkpoint import TEMPLATE, WORDS, write_video
+from llava_checkpoint import ENTRIES, TEMPLATE, save_model, save_tokenizer, write_data  # noqa: F401 - the same chat
 
 SIDE, MAX_TILES = 56, 4
 IMAGES = {"wide.png": (130, 40), "tall.jpg": (30, 75), "square.png": (56, 56), "small.jpg": (9, 13)}
-ENTRIES = [  # a single image (placeholder written, then not), two images, text only
-    {"id": "one", "image": "wide.png",
-     "conversations": [{"from": "human", "value": "what is in the picture ?\n<image>"},
-                       {"from": "gpt", "value": "a red cat on the mat ."}]},
-    {"id": "square", "image": "square.png",
-     "conversations": [{"from": "human", "value": "what is in the picture ?"}, {"from": "gpt", "value": "a dog ."}]},
-    {"id": "two", "image": ["tall.jpg", "small.jpg"],
-     "conversations": [{"from": "human", "value": "<image> left and <image> right ?"},
-                       {"from": "gpt", "value": "both a cat ."}, {"from": "human", "value": "same ?"},
-                       {"from": "gpt", "value": "the same ."}]},
-    {"id": "text", "conversations": [{"from": "human", "value": "what is a cat ?"}, {"from": "gpt", "value": "a cat ."}]},
-    {"id": "clip", "video": "clip.mp4",
-     "conversations": [{"from": "human", "value": "<video>\nwhat is in the video ?"},
-                       {"from": "gpt", "value": "a dog on the mat ."}]},
-]
 VIDEO = {"clip.mp4": (24, 16, 12, 4)}
 """width, height, frames, frames per second: InternVL feeds 8 to 32 frames a video (drawn), each a tile."""
 RUN = {"model": {"checkpoint": "."}, "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": 2},
@@ -52,22 +34,11 @@ SPECIAL = {"start_image_token": "<img>", "context_image_token": "<IMG_CONTEXT>",
 
 
 def build(folder: Path):  # noqa: ANN201 - the transformers model it saved
-    """Write the checkpoint, images, manifest and run config into ``folder``; return the model."""
-    import torch
+    """Write the checkpoint, images, video, manifest (the LLaVA example's entries) and run config into
+    ``folder``; return the model."""
     import transformers as T
-    import yaml
-    from PIL import Image
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([" ".join(WORDS)] * 2, trainers.WordLevelTrainer(
-        special_tokens=["[UNK]", "<|im_start|>", "<|im_end|>", *SPECIAL.values()], min_frequency=1))
-    fast = T.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|im_end|>",
-                                     pad_token="[UNK]", extra_special_tokens=SPECIAL)
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(folder)
+    tok = save_tokenizer(folder, list(SPECIAL.values()), **SPECIAL)
     T.GotOcr2ImageProcessorPil(size={"height": SIDE, "width": SIDE}, crop_to_patches=True, max_patches=MAX_TILES,
                                image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]
                                ).save_pretrained(folder)
@@ -79,19 +50,8 @@ def build(folder: Path):  # noqa: ANN201 - the transformers model it saved
     config = T.InternVLConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
                               image_token_id=tok.token_to_id("<IMG_CONTEXT>"), image_seq_length=4,
                               max_dynamic_patch=MAX_TILES)
-    torch.manual_seed(0)
-    model = T.InternVLForConditionalGeneration(config).eval()
-    with torch.no_grad():  # every weight off its initial value, so that a weight left unread shows
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    rng = np.random.default_rng(5)
-    for name, (w, h) in IMAGES.items():
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / name)
-    for name, (w, h, frames, fps) in VIDEO.items():
-        write_video(folder / name, [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(frames)], fps)
-    (folder / "data.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ENTRIES))
-    (folder / "run.yaml").write_text(yaml.safe_dump(RUN, sort_keys=False))
+    model = save_model(T.InternVLForConditionalGeneration, config, folder)
+    write_data(folder, IMAGES, VIDEO, RUN, seed=5)
     return model
 
 

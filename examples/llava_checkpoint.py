@@ -50,23 +50,59 @@ RUN = {"model": {"checkpoint": "."}, "cluster": {"hardware": "cpu", "nodes": 1, 
        "execution": {"lr": 1e-2, "checkpoint_every": 10}}
 
 
-def build(folder: Path):  # noqa: ANN201 - the transformers model it saved
-    """Write the checkpoint, images, manifest and run config into ``folder``; return the model."""
-    import torch
+def save_tokenizer(folder: Path, specials: list[str], **named: str):  # noqa: ANN201 - tokenizers.Tokenizer
+    """A WordLevel tokenizer of ``WORDS`` with the chat's and the model's special tokens, and the chat
+    template, saved into ``folder`` as transformers saves them (``named``: special tokens the model's
+    processor reads by name)."""
     import transformers as T
-    import yaml
-    from PIL import Image
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator([" ".join(WORDS)] * 2, trainers.WordLevelTrainer(
-        special_tokens=["[UNK]", "<|im_start|>", "<|im_end|>", "<image>", "<video>"], min_frequency=1))
+        special_tokens=["[UNK]", "<|im_start|>", "<|im_end|>", *specials], min_frequency=1))
     fast = T.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|im_end|>",
-                                     pad_token="[UNK]")
+                                     pad_token="[UNK]", **({"extra_special_tokens": named} if named else {}))
     fast.chat_template = TEMPLATE
     fast.save_pretrained(folder)
+    return tok
+
+
+def save_model(cls: type, config, folder: Path):  # noqa: ANN001, ANN201 - transformers' classes
+    """A seeded ``cls(config)`` with every weight moved off its initial value (so that a weight left
+    unread shows), saved into ``folder``; returned."""
+    import torch
+
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def write_data(folder: Path, images: dict, videos: dict, run: dict, seed: int) -> None:
+    """Random PNG/JPEG images and MPEG-4 videos of the given sizes, ``ENTRIES`` as ``data.jsonl`` and
+    ``run`` as ``run.yaml``."""
+    import yaml
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for name, (w, h) in images.items():
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / name)
+    for name, (w, h, frames, fps) in videos.items():
+        write_video(folder / name, [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(frames)], fps)
+    (folder / "data.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ENTRIES))
+    (folder / "run.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
+
+
+def build(folder: Path):  # noqa: ANN201 - the transformers model it saved
+    """Write the checkpoint, images, manifest and run config into ``folder``; return the model."""
+    import transformers as T
+
+    tok = save_tokenizer(folder, ["<image>", "<video>"])
     T.LlavaOnevisionImageProcessorPil(size={"height": SIDE, "width": SIDE},
                                       image_grid_pinpoints=PINPOINTS).save_pretrained(folder)
     text = T.Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -78,19 +114,8 @@ def build(folder: Path):  # noqa: ANN201 - the transformers model it saved
     config = T.LlavaOnevisionConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
                                     image_token_index=image_token, video_token_index=image_token + 1,
                                     vision_aspect_ratio=ASPECT, image_grid_pinpoints=PINPOINTS)
-    torch.manual_seed(0)
-    model = T.LlavaOnevisionForConditionalGeneration(config).eval()
-    with torch.no_grad():  # every weight off its initial value, so that a weight left unread shows
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    rng = np.random.default_rng(3)
-    for name, (w, h) in IMAGES.items():
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / name)
-    for name, (w, h, frames, fps) in VIDEO.items():
-        write_video(folder / name, [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(frames)], fps)
-    (folder / "data.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ENTRIES))
-    (folder / "run.yaml").write_text(yaml.safe_dump(RUN, sort_keys=False))
+    model = save_model(T.LlavaOnevisionForConditionalGeneration, config, folder)
+    write_data(folder, IMAGES, VIDEO, RUN, seed=3)
     return model
 
 
