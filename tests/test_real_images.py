@@ -274,6 +274,7 @@ def appears(path: Path, within_s: float = 30) -> bool:
     return path.exists()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [0, 1])
 def test_decode_workers_decode_each_step_in_another_process_ahead_of_it(tmp_path, workers):
     """With ``decode_workers`` a DataLoader worker process decodes the next step while the caller still
@@ -297,6 +298,7 @@ def test_decode_workers_decode_each_step_in_another_process_ahead_of_it(tmp_path
     assert got == list(steps) and not (tmp_path / "s0").exists()
 
 
+@pytest.mark.processes
 def test_a_worker_decodes_real_media_as_the_rank_would_and_names_a_file_cut_short(checkpoint, tmp_path):
     """The images and the video decoded in a worker are the tiles the rank decodes itself, bit for
     bit; a PNG cut short after its header is its sample's message (the rank then skips it)."""
