@@ -42,7 +42,7 @@ from dflop.specs.run import RunConfig
 from dflop.trace.chrome import COMPUTE, OPTIMIZER, TraceBuilder
 from dflop.trace.metrics import metrics
 from dflop.trace.record import record_graph_step
-from dflop.workload.chat import encode_dataset, load_chat
+from dflop.workload.chat import Encoded, by_step, encode_samples, load_chat
 
 from dflop.backends.torch_runtime import checkpoint
 from dflop.backends.torch_runtime.hf_checkpoint import check_checkpoint, open_checkpoint
@@ -147,6 +147,8 @@ class TorchBackend:
     """The manifest whose conversations the ranks train on, rendered and tokenized by the checkpoint
     (``options.weights``); empty: synthetic inputs. A `dflop run` sets it where the config trains
     on real samples (``RunConfig.real_samples``)."""
+    encoded: dict[str, Encoded] | None = None
+    """Its samples rendered and tokenized, by id, once a `dflop run` (every arm trains on them)."""
 
     def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
             meta: dict[str, Any] | None = None) -> BackendResult:
@@ -167,8 +169,9 @@ class TorchBackend:
             opts = replace(opts, resume_from=opts.init_from)
         texts = None
         if self.dataset:  # tokenized here, ahead of every step; a sample that fails is refused before any rank starts
-            texts = encode_dataset(self.dataset, runner.system.model.encoder, load_chat(self.options.weights),
-                                   [s.batch for s in steps])
+            if self.encoded is None:  # once a run: its arms train on the same samples
+                self.encoded = encode_samples(self.dataset, runner.system.model.encoder, load_chat(self.options.weights))
+            texts = by_step(self.encoded, [s.batch for s in steps], self.dataset)
         with _progress_folder() as progress:
             opts = opts if opts.progress_dir else replace(opts, progress_dir=str(progress))
             payload = Payload(runner.plan, runner.system.model, [s.batch for s in steps],
@@ -203,16 +206,17 @@ class TorchBackend:
                 dist.init_process_group("gloo" if config.execution.device is Device.CPU else "nccl",
                                         timeout=datetime.timedelta(seconds=config.execution.timeout_s))
         spec = config.execution
-        before = self.options, self.folder, self.planned, self.model, self.dataset
+        before = self.options, self.folder, self.planned, self.model, self.dataset, self.encoded
         self.options = replace(self.options, **{f.name: getattr(spec, f.name) for f in fields(spec)},
                              seed=config.seed, resume=resume, weights=config.checkpoint)
         self.folder, self.planned, self.model = folder, resume, config.model
         self.dataset = config.data.dataset if config.real_samples else ""
+        self.encoded = None
         try:
             with _interruptible(folder, lambda: self.planned):
                 yield
         finally:
-            self.options, self.folder, self.planned, self.model, self.dataset = before
+            self.options, self.folder, self.planned, self.model, self.dataset, self.encoded = before
 
     @property
     def calibrates(self) -> bool:

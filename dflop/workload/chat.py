@@ -323,6 +323,12 @@ def encode_dataset(path: str | Path, encoder: EncoderSpec, chat: ChatTemplate,
                    batches: Sequence[SampleTable]) -> list[dict[str, Encoded]]:
     """Each batch's samples of the dataset ``path`` as ``chat`` renders and tokenizes them, by id:
     read as the data profiler reads it (same ids, same counts)."""
+    return by_step(encode_samples(path, encoder, chat), batches, path)
+
+
+def encode_samples(path: str | Path, encoder: EncoderSpec, chat: ChatTemplate) -> dict[str, Encoded]:
+    """Every sample of the dataset ``path`` as ``chat`` renders and tokenizes it, by id, read as the
+    data profiler reads it (same ids; its tiles and tokens checked against the profile's)."""
     tokens = ChatCounter(chat, keep=True, tiling=encoder.tiling)
     table = read_manifest(path, encoder, tokenizer=tokens).samples
     assert tokens.encoded is not None and len(tokens.encoded) == len(table)
@@ -331,7 +337,12 @@ def encode_dataset(path: str | Path, encoder: EncoderSpec, chat: ChatTemplate,
                 != (table.tiles[i], table.image_tokens[i]):
             raise DflopError(f"{path}: sample {table.ids[i]!r}: its images' tiles and tokens differ from the data "
                              "profile's (a preference pair: not trained on real samples yet)")
-    by_id = dict(zip((str(i) for i in table.ids), tokens.encoded))
+    return dict(zip((str(i) for i in table.ids), tokens.encoded))
+
+
+def by_step(by_id: dict[str, Encoded], batches: Sequence[SampleTable], path: str | Path) -> list[dict[str, Encoded]]:
+    """Each batch's samples (ids as global batches write them: ``e<epoch>:<id>``) from the samples of
+    the dataset ``path`` by id."""
     out = []
     for batch in batches:
         step = {}
