@@ -191,6 +191,20 @@ def test_the_reference_loss_on_images_is_transformers(checkpoint):
     assert ref.losses[0] == pytest.approx(transformers_loss(model, processor, folder, ENTRIES), rel=1e-4)
 
 
+def test_steps_scheduled_for_other_data_are_refused_before_any_rank_is_fed(checkpoint):
+    """A run's steps carry each sample's tiles and tokens as they were planned; a dataset that renders
+    otherwise now (edited in place: same ids) is one line naming the sample, not pixels of another shape."""
+    from dflop.workload.sample import SampleTable
+
+    _, _, folder = checkpoint
+    encoder, table, _ = encoded(folder)
+    planned = SampleTable.build(table.ids, table.modality, table.tiles + (table.ids == "square"), table.text_tokens,
+                                table.image_tokens)
+    with pytest.raises(DflopError, match=r"data\.jsonl: sample 'square' has 5 tiles, 46 image and \d+ text tokens "
+                                         r"now, not what the run's steps were scheduled for"):
+        encode_dataset(folder / "data.jsonl", encoder, load_chat(folder), [planned])
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda e: [e["conversations"][0].update(value="what ?"), e["conversations"][1].update(value="<image> a cat")],
      "bad.jsonl:1: entry 0: an <image> or <video> placeholder in an assistant turn"),

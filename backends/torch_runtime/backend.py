@@ -147,8 +147,8 @@ class TorchBackend:
     """The manifest whose conversations the ranks train on, rendered and tokenized by the checkpoint
     (``options.weights``); empty: synthetic inputs. A `dflop run` sets it where the config trains
     on real samples (``RunConfig.real_samples``)."""
-    encoded: dict[str, Encoded] | None = None
-    """Its samples rendered and tokenized, by id, once a `dflop run` (every arm trains on them)."""
+    encoded: tuple[tuple[str, str], dict[str, Encoded]] | None = None
+    """(dataset, checkpoint): its samples rendered and tokenized, by id, once for every arm of a run."""
 
     def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
             meta: dict[str, Any] | None = None) -> BackendResult:
@@ -169,9 +169,11 @@ class TorchBackend:
             opts = replace(opts, resume_from=opts.init_from)
         texts = None
         if self.dataset:  # tokenized here, ahead of every step; a sample that fails is refused before any rank starts
-            if self.encoded is None:  # once a run: its arms train on the same samples
-                self.encoded = encode_samples(self.dataset, runner.system.model.encoder, load_chat(self.options.weights))
-            texts = by_step(self.encoded, [s.batch for s in steps], self.dataset)
+            key = (self.dataset, self.options.weights)
+            if self.encoded is None or self.encoded[0] != key:  # once a run: its arms train on the same samples
+                self.encoded = key, encode_samples(self.dataset, runner.system.model.encoder,
+                                                   load_chat(self.options.weights))
+            texts = by_step(self.encoded[1], [s.batch for s in steps], self.dataset)
         with _progress_folder() as progress:
             opts = opts if opts.progress_dir else replace(opts, progress_dir=str(progress))
             payload = Payload(runner.plan, runner.system.model, [s.batch for s in steps],

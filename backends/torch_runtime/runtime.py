@@ -312,7 +312,10 @@ class RankStep:
         return (torch.cat(pix) if pix else torch.zeros(shape)).to(device=dev, dtype=self.dtype), text
 
     def decoded_pixels(self, sample_id: str) -> torch.Tensor:
-        """The tiles of ``sample_id`` decoded ahead; a ``MediaError`` where they did not decode."""
+        """The tiles of ``sample_id`` decoded ahead (none for a sample without media); a ``MediaError``
+        where they did not decode."""
+        if sample_id not in self.decoded and not self.data.text[sample_id].images:
+            return torch.zeros(0, 3, self.w.image_size, self.w.image_size)
         if sample_id not in self.decoded:
             raise DflopError(f"rank {self.w.layout.rank}, step {self.step}: sample {sample_id!r} feeds pixels here, "
                              "but its media were not decoded ahead (StepData.pixel_rows left it out)")

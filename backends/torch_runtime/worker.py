@@ -290,7 +290,7 @@ def _rank_media(payload: Payload, gw: Worker, colocated: bool, steps: range) -> 
     for step in steps:
         data = StepData(payload.plan, payload.batches[step], np.asarray(payload.assignments[step]), payload.texts[step])
         rows = data.pixel_rows(gw.module, gw.replica, colocated) if 0 in gw.stages else np.zeros(0, dtype=np.int64)
-        media[step] = {i: data.text[i].images for i in map(str, data.batch.ids[rows])}
+        media[step] = {i: data.text[i].images for i in map(str, data.batch.ids[rows]) if data.text[i].images}
     return media
 
 

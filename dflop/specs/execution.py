@@ -66,8 +66,8 @@ class ExecutionSpec:
     states, resharded onto this run's plan (Megatron's ``--load``, torchtitan's ``initial_load_path``);
     empty: from the seed. Relative to the config's folder."""
     decode_workers: int | None = field(default=None, metadata=limit(0, MAX_DECODE_WORKERS))
-    """Processes per rank (torch DataLoader workers) that decode its real images and videos, each up
-    to 2 steps ahead of the step running, off its critical path; 0: the rank decodes them itself,
+    """Processes per rank (torch DataLoader workers) that decode its real images and videos, up to 2
+    steps a worker ahead of the step running, off its critical path; 0: the rank decodes them itself,
     at each step's turn, before the step. None: 2 on GPUs, whose ranks leave CPU cores free; 0 on
     CPU, whose ranks are the cores (a worker would take a rank's time)."""
     calibrate: bool = True

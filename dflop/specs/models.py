@@ -185,7 +185,7 @@ class EncoderSpec:
         """Its VLM follows image rows, images or videos with a learned newline (LLaVA's
         ``image_newline``); InternVL and LLaVA-1.5 have none."""
         t = self.tiling
-        return t.newline_tokens or t.video_newline != "none" or t.multi_image_tokens > t.tile_tokens
+        return t.newline_tokens or t.video_newline != "none" or max(t.multi_image_tokens, t.frame_tokens) > t.tile_tokens
 
     @property
     def merge(self) -> int:

@@ -342,14 +342,20 @@ def encode_samples(path: str | Path, encoder: EncoderSpec, chat: ChatTemplate) -
 
 def by_step(by_id: dict[str, Encoded], batches: Sequence[SampleTable], path: str | Path) -> list[dict[str, Encoded]]:
     """Each batch's samples (ids as global batches write them: ``e<epoch>:<id>``) from the samples of
-    the dataset ``path`` by id."""
+    the dataset ``path`` by id, each with the tiles and tokens its batch gives it (else the steps were
+    scheduled for other data: a one-line error, before any rank is fed what was not planned)."""
     out = []
     for batch in batches:
         step = {}
-        for sample_id in map(str, batch.ids):
+        for i, sample_id in enumerate(map(str, batch.ids)):
             key = sample_id[m.end():] if (m := EPOCH.match(sample_id)) else sample_id
             if key not in by_id:
                 raise DflopError(f"{path}: has no sample {key!r} (the run's data is not this dataset)")
-            step[sample_id] = by_id[key]
+            got = by_id[key]
+            shape = (sum(im.tiles for im in got.images), int((~got.text).sum()), int(got.text.sum()))
+            if shape != (batch.tiles[i], batch.image_tokens[i], batch.text_tokens[i]):
+                raise DflopError(f"{path}: sample {key!r} has {shape[0]} tiles, {shape[1]} image and {shape[2]} text "
+                                 "tokens now, not what the run's steps were scheduled for (the dataset changed?)")
+            step[sample_id] = got
         out.append(step)
     return out

@@ -112,12 +112,13 @@ def open_rgb(path: str | Path, where: str):  # noqa: ANN201 - PIL.Image.Image
 def image_tiles(image, rule: ImageRule, alone: bool, most: int = 0) -> np.ndarray:  # noqa: ANN001 - PIL.Image
     """(tiles, 3, side, side) float32 of one RGB image. anyres: the base tile then the grid row by
     row when it is its sample's only image (``alone``), else the one padded, squashed tile.
-    dynamic: the grid of at most ``most`` tiles row by row, then the thumbnail."""
+    dynamic: the grid of at most ``most`` tiles (0: the tiling's ``max_tiles``) row by row, then the
+    thumbnail."""
     from PIL import Image
 
     side = rule.tiling.tile_size
     if rule.tiling.scheme == "dynamic":
-        cols, rows = dynamic_grid(image.size[0], image.size[1], most, rule.tiling)
+        cols, rows = dynamic_grid(image.size[0], image.size[1], most or rule.tiling.max_tiles, rule.tiling)
         grid = np.asarray(image.resize((cols * side, rows * side), rule.resample))
         tiles = [grid[i:i + side, j:j + side] for i in range(0, rows * side, side) for j in range(0, cols * side, side)]
         if rule.tiling.thumbnail and len(tiles) > 1:
@@ -266,14 +267,15 @@ def video_ref(path: Path, header: tuple[int, float, int, float], rule: ImageRule
     given, seconds, total, fps = header
     t = rule.tiling
     internvl = t.video_sampling == "uniform" and t.video_newline == "none"
-    if not (internvl or (t.video_sampling == "fps" and t.video_newline == "one_token")) or seconds or not total \
-            or (given and not internvl):
+    if not (internvl or (t.video_sampling == "fps" and t.video_newline == "one_token")) or given or seconds \
+            or not total:
         raise DflopError(f"{where}: {path}: real frames are read for LLaVA-OneVision's video rule (frames from the "
-                         "container at the config's fps, one newline after the video; no 'frames' or 'duration' in "
-                         "the entry) and InternVL's (a frame count drawn per video, or the entry's 'frames')")
-    if internvl:  # InternVL draws min..max frames a video; here once per file, so the profile and the run agree
-        drawn = vision.uniform_frames(1, t, np.random.default_rng(zlib.crc32(str(path).encode())))[0]
-        indices = middle_frames(int(given or drawn), total)
+                         "container at the config's fps, one newline after the video) and InternVL's (a frame "
+                         "count drawn per video), with no 'frames' or 'duration' in the entry")
+    if internvl:  # InternVL draws min..max frames a video; here once per video (seeded by its file's name and
+        # length, wherever the dataset lies), so that the profile and every run of it agree
+        seed = zlib.crc32(f"{Path(path).name}:{total}".encode())
+        indices = middle_frames(int(vision.uniform_frames(1, t, np.random.default_rng(seed))[0]), total)
     else:
         indices = frame_indices(total, fps, t)
     _, tokens = vision.videos(np.array([len(indices)]), t)
