@@ -24,6 +24,9 @@ class SimBackend:
     """Links carry one transfer at a time."""
     memory: bool = True
     """Record memory counters in the trace."""
+    cores: int | None = None
+    """The CPU cores the ranks share, where they outnumber them (CPU ranks on one machine: they
+    take turns); None: every rank computes on a device of its own."""
 
     def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
             meta: dict[str, Any] | None = None) -> BackendResult:
@@ -32,7 +35,8 @@ class SimBackend:
                 observe(ObservedStep(step, ex.start, ex.end))
 
         sim = simulate_steps(runner, [s.batch for s in steps], lambda i, _: steps[i].assignment,
-                             contention=self.contention, memory=self.memory, observe=seen, meta=meta)
+                             contention=self.contention, memory=self.memory, observe=seen, meta=meta,
+                             cores=self.cores)
         return BackendResult(sim.trace, sim.metrics, sim.steps,
                              {"predicted_step_time_s": [s["step_s"] for s in sim.steps]})
 

@@ -2,7 +2,6 @@
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fidelity.py [--steps 2] [--rounds 5] [--profiles DIR]
      [--fresh DIR | --no-fresh]
-     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fidelity.py --foreign --steps 2 --rounds 1  (see ``foreign``)
 
 Tiny SigLIP- and Qwen2.5-shaped models on 2 local CPU processes (gloo, one thread each:
 the ranks never outnumber this machine's 2 cores, so the prediction need not model
@@ -92,11 +91,7 @@ def main() -> None:
     parser.add_argument("--fresh", type=Path, help="profile store to measure the models into first and predict "
                         "with as well (default: a temporary one)")
     parser.add_argument("--no-fresh", action="store_true", help="do not measure a profile first (6-7 minutes here)")
-    parser.add_argument("--foreign", action="store_true", help="the shipped profile, measured on another machine, "
-                        "with and without the run's calibration, on held-out mixes and plans (2 to 4 ranks)")
     args = parser.parse_args()
-    if args.foreign:
-        return foreign(args)
     system, cost, data, note = tiny_cpu.setup(args)
     model = system.model
     print(f"{model.name} on 2 CPU processes, {args.mix}, global batch {args.batch}; {note}")
@@ -184,76 +179,6 @@ def summary(rows: list[dict], key: str, title: str, cost_model: str) -> dict:
           f"{out['resolved_pair_agreement']:.0%} of the {len(resolved)} that every round orders alike; fastest "
           f"predicted: {rows[int(np.argmin(predicted))]['plan']}; measured: {rows[int(np.argmin(measured))]['plan']}")
     return out
-
-
-FOREIGN_MIXES = ("llava-ov", "video-heavy")
-FOREIGN_PLANS = {
-    "pp2 1F1B": dict(encoder={}, llm={"pp": 2}, placement="colocated", microbatches=4, schedule="1F1B"),
-    "pp2 x dp2 (colocated)": dict(encoder={"dp": 2}, llm={"pp": 2, "dp": 2}, placement="colocated", microbatches=4,
-                                  schedule="1F1B"),
-    "disaggregated encoder 1 + llm dp2": dict(encoder={}, llm={"dp": 2}, placement="disaggregated", microbatches=2),
-}
-"""Plans the profile was never tuned on: held out of ``PLANS``, two of them with more ranks than 2 cores."""
-
-
-def foreign(args) -> None:  # noqa: ANN001
-    """--foreign: the shipped profile (measured on another machine) as a user's first run meets it, per
-    mix and held-out plan: measured against predicted as recorded and predicted after the run's
-    calibration (``dflop.jobs.calibrate``: a few of the profile's shapes measured here just before
-    the plan runs, as a run measures them before its first step, its parts scaled by what they ran at). A plan of more ranks than cores has them take turns: its prediction
-    is multiplied by the crowding factor, ranks over cores (every rank busy, the upper bound)."""
-    from dflop.backends import ScheduledBatch
-    from dflop.backends.sim import SimBackend
-    from dflop.backends.torch_runtime.backend import TorchBackend, cpu_cores
-    from dflop.backends.torch_runtime.worker import TorchOptions
-    from dflop.jobs.calibrate import calibrate_cost, machine_note, microbatch_sizes
-    from dflop.schedule.step import bin_batch, plan_costs
-    from dflop.specs import ClusterSpec
-    from dflop.timing.steps import CostedPlan
-    from dflop.workload import batches
-
-    rows = []
-    for mix in FOREIGN_MIXES:
-        system, cost, data, note = tiny_cpu.setup(_with_mix(args, mix))
-        print(f"{mix}: {note}; {machine_note(cost) or 'profile measured on this machine'}")
-        plans = {name: tiny_cpu.plan(fields) for name, fields in FOREIGN_PLANS.items()}
-        scheduled = {}
-        for name, plan in plans.items():
-            wide = replace(system, cluster=ClusterSpec(hardware=system.hardware, nodes=1, gpus_per_node=plan.gpus))
-            stream = batches(data, args.batch, seed=1)
-            scheduled[name] = [ScheduledBatch(b, bin_batch(b, plan, wide, costs=plan_costs(b, plan, system.model, cost),
-                                                           solver="auto", time_limit=0.2).assignment)
-                               for b in (next(stream) for _ in range(args.steps + 1))]
-        for name, plan in plans.items():
-            wide = replace(system, cluster=ClusterSpec(hardware=system.hardware, nodes=1, gpus_per_node=plan.gpus))
-            scaled, _ = calibrate_cost(cost, print, *microbatch_sizes(cost, [(plan, scheduled[name])]))
-            crowding = max(1.0, plan.gpus / cpu_cores())
-            results = [TorchBackend(options=TorchOptions(lr=1e-4)).run(CostedPlan(plan, wide), scheduled[name])
-                       for _ in range(args.rounds)]
-            again = SimBackend(memory=False).run(CostedPlan(plan, replace(wide, cost=scaled)), scheduled[name])
-            rows.append({"mix": mix, "plan": name, "processes": plan.gpus, "crowding": crowding,
-                         "measured_s": float(np.median([s["graph_s"] for r in results for s in r.steps[1:]])),
-                         "predicted_s": crowding * float(np.median(results[0].extra["predicted_step_time_s"][1:])),
-                         "calibrated_s": crowding * float(np.median([s["step_s"] for s in again.steps[1:]]))})
-    print(f"{'mix':<12} {'plan':<34} {'ranks':>5} {'crowding':>8} {'measured s':>10} {'predicted s':>11} {'error':>7} "
-          f"{'calibrated s':>12} {'error':>7}")
-    for r in rows:
-        print(f"{r['mix']:<12} {r['plan']:<34} {r['processes']:>5} {r['crowding']:>7.1f}x {r['measured_s']:10.3f} "
-              f"{r['predicted_s']:11.3f} {r['predicted_s'] / r['measured_s'] - 1:+7.1%} {r['calibrated_s']:12.3f} "
-              f"{r['calibrated_s'] / r['measured_s'] - 1:+7.1%}")
-    for key, title in (("predicted_s", "as recorded"), ("calibrated_s", "calibrated")):
-        errors = [abs(r[key] / r["measured_s"] - 1) for r in rows]
-        print(f"{title}: median |error| {np.median(errors):.1%}, max {max(errors):.1%} over {len(rows)} plans x mixes "
-              f"({args.rounds} round(s) of {args.steps} steps after a warm-up; crowded plans x ranks over cores)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"foreign": rows}, indent=2))
-
-
-def _with_mix(args, mix: str):  # noqa: ANN001, ANN202
-    """``args`` with another mix (an argparse namespace: a copy)."""
-    import argparse
-
-    return argparse.Namespace(**{**vars(args), "mix": mix})
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ a time per link when ``contention`` is on) while compute goes on, as NCCL's
 asynchronous point-to-point does; a receive completes when its data has
 arrived; a collective starts once every member could start it, and a node with
 an anchor (a gradient reduction overlapping the backward that fills it) no
-earlier than its lag after the anchor starts. All state lives in one
+earlier than its lag after the anchor starts. Where the workers' ranks
+outnumber the CPU cores they share (``cores``: CPU ranks launched on one
+machine), compute nodes in progress share the cores as the OS time-slices
+processes (``dflop.sim.sharing``). All state lives in one
 ``simpy.Environment``; times are integer nanoseconds, so runs are exactly
 reproducible and equal the reference longest path when nothing contends.
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from dflop.sim.sharing import ProcessorSharing
 from dflop.timing.costs import StepCosts
 from dflop.program.stepgraph import StepGraph, Stream
 
@@ -52,7 +56,10 @@ class Execution:
         return int(self.end.max()) if len(self.end) else 0
 
 
-def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, track_memory: bool = True) -> Execution:
+def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, track_memory: bool = True,
+            cores: int | None = None) -> Execution:
+    """``cores``: the CPU cores every worker's ranks share (None: each rank computes on its own
+    device)."""
     env = simpy.Environment()
     n = len(graph)
     start, end = [0] * n, [-1] * n  # end -1 until the node has finished (or, for one that runs, is due)
@@ -73,6 +80,11 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
     capacity = costs.capacity
     worker_of = graph.worker_of
     timeout = env.timeout
+    ranks = [len(w.gpus) for w in graph.workers]
+    sharing = None
+    if cores is not None and cores < sum(ranks):
+        sharing = ProcessorSharing(env, cores, lambda k, now: compute_ended(k, now))
+    wakes = 0
 
     def change(w: int, delta: float, at: int) -> None:
         now_held = held[w] = held[w] + delta
@@ -104,6 +116,7 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
 
     def begin(k: int, now: int) -> None:
         """Everything k waits for is known to end by ``ready_at[k]``."""
+        nonlocal wakes
         stream = streams[k]
         if stream is p2p:
             if link[k] < 0:  # a receive: complete when its data has arrived
@@ -118,13 +131,11 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
             finished(k, sent + duration[k], now)
         elif stream is compute:
             at = ready_at[k] if ready_at[k] > now else now
-            start[k] = at
-            if alloc[k] or transient[k]:  # the worker is idle until then, so booking early changes no peak
-                change(worker_of[k], alloc[k] + transient[k], at)
-            end[k] = at + duration[k]  # when its event fires (read there instead of the clock)
-            timeout(at - now + duration[k], k).callbacks.append(compute_done)
-            for c in overlapping[k]:
-                known(c, at + lag[c].item(), now)
+            if sharing is not None and at > now:  # its share of the cores depends on what computes then
+                wakes += 1
+                timeout(at - now, k).callbacks.append(lambda event: run(event.value, env.now, env.now))
+            else:
+                run(k, at, now)
         else:
             c = graph.nodes[k].collective
             collective_missing[c] -= 1
@@ -135,9 +146,23 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
                     start[m] = at
                 timeout(at - now + duration[k], c).callbacks.append(collective_done)
 
+    def run(k: int, at: int, now: int) -> None:
+        start[k] = at
+        if alloc[k] or transient[k]:  # the worker is idle until then, so booking early changes no peak
+            change(worker_of[k], alloc[k] + transient[k], at)
+        if sharing is None:
+            end[k] = at + duration[k]  # when its event fires (read there instead of the clock)
+            timeout(at - now + duration[k], k).callbacks.append(compute_done)
+        else:  # at == now: it ends when its share of the cores has done its work
+            sharing.join(k, duration[k], ranks[worker_of[k]])
+        for c in overlapping[k]:
+            known(c, at + lag[c].item(), now)
+
     def compute_done(event: simpy.Event) -> None:
         k = event.value
-        now = end[k]  # == env.now: the event was due then
+        compute_ended(k, end[k])  # == env.now: the event was due then
+
+    def compute_ended(k: int, now: int) -> None:
         if free[k] or transient[k]:
             change(worker_of[k], -(free[k] + transient[k]), now)
         finished(k, now, now)
@@ -157,6 +182,6 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
         first = int(unfinished[0])
         raise RuntimeError(f"simulation stalled with {len(unfinished)} nodes unfinished, first "
                            f"{graph.labels[first]} on worker {worker_of[first]}")
-    # one event per compute node and one per collective: every node ran, so each was scheduled once
-    events = streams.count(compute) + len(graph.collectives)
+    # one event per compute node (or per change of the cores' shares) and one per collective
+    events = len(graph.collectives) + (streams.count(compute) if sharing is None else sharing.events + wakes)
     return Execution(np.array(start, dtype=np.int64), ends, memory, np.array(peak, dtype=float), oom, events)

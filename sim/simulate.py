@@ -33,17 +33,17 @@ def trace_meta(runner: CostedPlan, **extra: Any) -> dict[str, Any]:
 
 def simulate_steps(runner: CostedPlan, batches: Iterable[SampleTable], assign: Assign, *,
                    contention: bool = True, memory: bool = True, observe: Observer | None = None,
-                   meta: dict[str, Any] | None = None) -> Simulation:
+                   meta: dict[str, Any] | None = None, cores: int | None = None) -> Simulation:
     """Run every batch as one step: partition it with ``assign``, cost it with the runner's
     cost model, execute its step graph in SimPy; steps run back to back (the optimizer step is a
-    barrier)."""
+    barrier). ``cores``: the CPU cores the ranks share (:func:`dflop.sim.engine.execute`)."""
     trace = TraceBuilder(meta=trace_meta(runner, **(meta or {})))
     offset = 0
     steps = []
     for index, batch in enumerate(batches):
         step = runner.step(index, batch, assign(index, batch))
         graph, costs = step.graph, step.costs
-        ex = execute(graph, costs, contention=contention, track_memory=memory)
+        ex = execute(graph, costs, contention=contention, track_memory=memory, cores=cores)
         compute_end = record_graph_step(trace, graph, ex.start, ex.end, step=index, offset_ns=offset,
                                         step_ns=ex.makespan, costs=costs, memory=ex.memory if memory else None,
                                         samples=len(batch))

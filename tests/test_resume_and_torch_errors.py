@@ -88,6 +88,14 @@ def test_more_processes_than_cores_are_warned_of_in_one_line(finished):
     assert len(crowded) == 1 and "2 processes on 1 CPU core:" in crowded[0]
 
 
+def test_ranks_outnumbering_the_cores_are_predicted_taking_turns_on_them(finished):
+    """With one core for 2 processes, both arms' predictions were made with the ranks sharing it (the
+    sharing itself: ``test_simulator``)."""
+    for report in (finished.report, finished.report["baseline"]):
+        assert report["shared_cores"] == 1
+
+
+
 def test_resuming_a_finished_run_says_it_is_finished(finished):
     ran = dflop_here("run", "--backend", "torch", "--config", finished.config, "--resume", finished.out)
     assert_only_error(ran, str(finished.out), "this run is finished (4 of 4 steps)", "nothing to resume")

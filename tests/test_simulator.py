@@ -171,6 +171,39 @@ def test_three_evaluators_agree_on_full_plans(model, cluster, builder_setup, pla
     assert_valid_execution(step.graph, step.costs, crowded.start, crowded.end, contention=True)
 
 
+@given(plans, st.integers(0, 10_000), st.integers(1, 6))
+def test_ranks_outnumbering_the_cores_share_them_as_time_slices(model, cluster, builder_setup, plan, seed, cores):
+    """Every compute op in progress advances at min(1, cores / ranks computing): its work, integrated
+    over its span at that rate, is its duration (to the nanosecond each change of rate rounds)."""
+    system, prof = builder_setup
+    assume(not plan.problems(cluster, model, 128))
+    rng = np.random.default_rng(seed)
+    batch = prof.sample(64, rng)
+    step = CostedPlan(plan, system).step(0, batch, rng.permutation(np.arange(64) % plan.bins))
+    graph, costs = step.graph, step.costs
+    alone = execute(graph, costs, contention=False)
+    shared = execute(graph, costs, contention=False, cores=cores)
+    ranks = [len(w.gpus) for w in graph.workers]
+    if cores >= sum(ranks):  # nothing to share
+        assert np.array_equal(shared.start, alone.start) and np.array_equal(shared.end, alone.end)
+        return
+    start, end = shared.start.tolist(), shared.end.tolist()
+    for k in range(len(graph)):
+        assert all(start[k] >= end[d] for d in graph.deps[k])
+    computes = [k for k, node in enumerate(graph.nodes) if node.kind.is_compute]
+    moments = sorted({t for k in computes for t in (start[k], end[k])})
+    rate = []
+    for a, b in zip(moments, moments[1:]):
+        computing = sum(ranks[graph.nodes[k].worker] for k in computes if start[k] <= a < end[k])
+        rate.append((a, b, min(1.0, cores / computing) if computing else 1.0))
+    for k in computes:
+        spans = [(a, b, r) for a, b, r in rate if start[k] <= a < end[k]]
+        work = sum((b - a) * r for a, b, r in spans)
+        assert work == pytest.approx(int(costs.duration[k]), abs=len(spans) + 1)
+    work = sum(int(costs.duration[k]) * ranks[graph.nodes[k].worker] for k in computes)
+    assert shared.makespan >= max(alone.makespan, work / cores - len(moments))
+
+
 @given(plans)
 def test_waves_hold_every_op_once_after_all_it_waits_for_and_one_op_of_a_group_each(model, cluster, plan):
     """What lets the fast evaluator time a wave at once: nothing in a wave waits for anything in it

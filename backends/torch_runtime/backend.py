@@ -332,7 +332,9 @@ class TorchBackend:
                                  "trained": [{k: s[k] for k in ("step", "loss", "sample_ids")} for s in per_step],
                                  "skipped": skipped}
         if self.predict:
-            predicted = get_backend("sim", memory=False).run(runner, ran)
+            cores = shared_cores(runner.plan.gpus, self.options.device)
+            predicted = get_backend("sim", memory=False, cores=cores).run(runner, ran)
+            extra["shared_cores"] = cores
             extra["predicted_step_time_s"] = [s["step_s"] for s in predicted.steps]
             extra["predicted_trace"] = predicted.trace
         if self.keep_parameters:
@@ -363,14 +365,20 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def shared_cores(processes: int, device: Device) -> int | None:
+    """The cores CPU ranks launched here take turns on, where they outnumber them (None: each rank
+    has a core, or a device, of its own): what the prediction of their steps models."""
+    cores = cpu_cores()
+    return cores if device is Device.CPU and not under_torchrun() and processes > cores else None
+
+
 def crowding(processes: int, device: Device) -> str | None:
     """A warning when CPU ranks launched here outnumber the cores: each runs one thread, so more of
     them than cores take turns, and measured steps say more about the machine than the plan."""
-    cores = cpu_cores()
-    if device is Device.CPU and not under_torchrun() and processes > cores:
-        return (f"the plan runs {processes} processes on {cores} CPU core{'s' if cores > 1 else ''}: "
-                "they take turns on the cores, so measured step times exceed what the plan would take")
-    return None
+    if (cores := shared_cores(processes, device)) is None:
+        return None
+    return (f"the plan runs {processes} processes on {cores} CPU core{'s' if cores > 1 else ''}: they take turns "
+            "on the cores (and are predicted to), so measured step times say more about this machine than the plan")
 
 
 def refuse_unsupported(plan: Plan, options: TorchOptions) -> None:

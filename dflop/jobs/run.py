@@ -187,7 +187,8 @@ def _uncalibrated(arm: Arm, result: BackendResult, planned: System) -> None:
     from dflop.backends.base import get_backend
 
     steps = list(arm.steps)[result.extra.get("first_step", 0):]
-    predicted = [s["step_s"] for s in get_backend("sim", memory=False).run(CostedPlan(arm.plan, planned), steps).steps]
+    sim = get_backend("sim", memory=False, cores=result.extra.get("shared_cores"))
+    predicted = [s["step_s"] for s in sim.run(CostedPlan(arm.plan, planned), steps).steps]
     graph = arm.measured.get("graph_time_s", arm.measured["step_time_s"])["each"]
     arm.measured["uncalibrated_predicted_step_time_s"] = {"mean": float(np.mean(predicted)), "each": predicted}
     arm.measured["uncalibrated_prediction_error"] = measured_prediction_error(predicted, graph)
@@ -213,6 +214,7 @@ def _measured(result: BackendResult, global_batch: int, name: str, out: Path) ->
     fields["predicted_step_time_s"] = {"mean": float(np.mean(predicted)), "each": predicted}
     graph = [s.get("graph_s", s["step_s"]) for s in result.steps]
     fields["measured_prediction_error"] = measured_prediction_error(predicted, graph)
+    fields["shared_cores"] = result.extra.get("shared_cores")  # predicted with the ranks taking turns on these
     if "graph_s" in result.steps[0]:
         fields["graph_time_s"] = {"mean": float(np.mean(graph)), "each": graph}
         fields["optimizer_time_s"] = {"mean": float(np.mean([s["optimizer_s"] for s in result.steps]))}
