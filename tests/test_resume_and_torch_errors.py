@@ -7,6 +7,7 @@ processes, 4 steps); most checks stop before any process starts."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -86,6 +87,16 @@ def test_more_processes_than_cores_are_warned_of_in_one_line(finished):
     warnings = [line for line in finished.stderr.splitlines() if line.startswith("dflop: warning: ")]
     crowded = [line for line in warnings if "processes on" in line]
     assert len(crowded) == 1 and "2 processes on 1 CPU core:" in crowded[0]
+
+
+def test_progress_moves_on_from_the_search_to_the_steps(finished):
+    """Off a terminal, progress lines: once the plan is chosen none says it is still searching, and the
+    last says the arms' steps are done."""
+    lines = finished.stderr.splitlines()
+    chosen = next(i for i, line in enumerate(lines) if line.startswith("dflop: plan ["))
+    assert not any(line.startswith("dflop: searching") for line in lines[chosen:])
+    assert re.fullmatch(r"dflop: done: \d+ parts in [\d:]+, the last running (baseline|baseline_balanced) "
+                        r"\((\d+)/\2 steps\)", lines[-1])
 
 
 def test_ranks_outnumbering_the_cores_are_predicted_taking_turns_on_them(finished):

@@ -24,6 +24,7 @@ from dflop.errors import DflopError
 from dflop.specs import presets
 from dflop.specs.execution import CPU_THREADS
 from dflop.specs.plan import Plan
+from dflop.specs.progress import Progress
 
 from dflop.jobs.setup import Setup
 
@@ -60,7 +61,8 @@ def machine_note(cost: CostModel, device: str | None = None) -> str:
 
 
 def calibrate_cost(cost: CostModel, log: Callable[[str], None], sizes: dict[str, float | None] | None = None,
-              tps: dict[str, tuple[int, ...]] | None = None) -> tuple[CostModel, Calibration | None]:
+                   tps: dict[str, tuple[int, ...]] | None = None, progress: Progress | None = None
+                   ) -> tuple[CostModel, Calibration | None]:
     """(``cost`` scaled to this machine, what the check found); ``cost`` and None, with a line
     saying why, where it cannot be calibrated here. ``sizes`` and ``tps``: per model, the
     microbatch size and TP degrees to measure at (default: the middle of the profile's grid, every
@@ -80,7 +82,8 @@ def calibrate_cost(cost: CostModel, log: Callable[[str], None], sizes: dict[str,
             "the profile as recorded")
         return cost, None
     try:
-        found = measure(cost.records, sizes or dict.fromkeys(names), device=device, tps=tps, llm=cost.model.llm.name)
+        found = measure(cost.records, sizes or dict.fromkeys(names), device=device, tps=tps, llm=cost.model.llm.name,
+                        progress=progress)
     except DflopError as exc:  # a model the profiler cannot build: the job goes on, said uncalibrated
         log(f"dflop: cannot calibrate: {exc}; predictions use the profile as recorded")
         return cost, None

@@ -16,18 +16,19 @@ whole run (torchrun's process group, rank 0 planning for every rank, signals) is
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dflop.backends.base import Backend, BackendResult
+from dflop.backends.base import Backend, BackendResult, ObservedStep
 from dflop.cost.calibration import Calibration
 from dflop.cost.select import prediction_error
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
 from dflop.plan.report import implausible, score
-from dflop.specs.progress import Progress
+from dflop.specs.progress import Channel, Progress
 from dflop.schedule.batching import Batching
 from dflop.specs.loading import save_json
 from dflop.specs.plan_file import PlanFile, save_plan
@@ -102,7 +103,8 @@ def plan_arms(s: Setup, steps: int, out: Path, log: Log, progress: Progress | No
 
 
 def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: Path, resume: Path | None = None,
-        progress: Progress | None = None, plan_file: PlanFile | None = None, gpus: int | None = None,
+        progress: Progress | None = None, channel: Channel | None = None, plan_file: PlanFile | None = None,
+        gpus: int | None = None,
         nodes: int | None = None, noise: float | None = None, log: Log = log_to_stderr,
         calibrate: bool | None = None, init_from: Path | None = None) -> dict[str, Any] | None:
     """Plan (or, resuming, read the run in ``resume``), execute every arm on ``backend`` and compare;
@@ -110,7 +112,9 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
     the run's own) brings its plan and the cluster it was made for. On a backend that runs on this
     machine, a profiled cost model measured elsewhere is said so first, and (``calibrate``, by default
     ``execution.calibrate``) calibrated before the first step (:func:`calibrate_arms`). ``init_from``
-    (by default ``execution.init_from``): every arm starts from that checkpoint (:mod:`dflop.jobs.init_from`)."""
+    (by default ``execution.init_from``): every arm starts from that checkpoint (:mod:`dflop.jobs.init_from`).
+    ``progress`` hears the search; ``channel`` makes the progress of the calibration and of each arm's steps,
+    so that a display moves on from the search when the search is over."""
     if resume is not None and not backend.resumable:
         raise DflopError(f"--resume {resume}: the {backend.name} backend keeps no checkpoints to continue from "
                          "(--resume continues a run of a backend that does: --backend torch)")
@@ -136,13 +140,20 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
             todo = [arm for arm in arms if arm.measured is None]
             backend.prepare({arm.name: arm.plan for arm in todo}, len(arms[0].steps), log)
             planned = s.system
-            predicting, calibration = calibrate_arms(s.system, todo, log) if calibrate and todo else (planned, None)
+            predicting, calibration = (calibrate_arms(s.system, todo, log, channel and channel(
+                "calibrating to this machine", "shapes")) if calibrate and todo else (planned, None))
             bundle = (predicting, arms, planning, s.data_source)
         system, arms, planning, source = backend.share(bundle)
+        running = channel("running {}", "steps") if channel is not None and backend.is_reporting_rank() else None
         for arm in arms:
             if arm.measured is not None:  # finished before this resume
                 continue
-            result = backend.run(CostedPlan(arm.plan, system), arm.steps, meta={"name": arm.name, "solver": arm.solver})
+            observe = None
+            if running is not None:
+                running(arm.name, 0, len(arm.steps))
+                observe = partial(_ran, running, arm.name, len(arm.steps))
+            result = backend.run(CostedPlan(arm.plan, system), arm.steps, observe=observe,
+                                 meta={"name": arm.name, "solver": arm.solver})
             if backend.is_reporting_rank():
                 arm.measured = _measured(result, system.training.global_batch, arm.name, folder)
                 if calibration is not None:
@@ -156,6 +167,10 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
         return data
 
 
+def _ran(progress: Progress, name: str, steps: int, observed: ObservedStep) -> None:
+    progress(name, observed.step.index + 1, steps)
+
+
 def _say_machine(backend: Backend, system: System, calibrate: bool, log: Log) -> None:
     """On a backend that runs on this machine, a line when the profile was measured elsewhere."""
     from dflop.jobs.calibrate import machine_note
@@ -165,7 +180,8 @@ def _say_machine(backend: Backend, system: System, calibrate: bool, log: Log) ->
                                           "its times are used as recorded (execution.calibrate is off)"))
 
 
-def calibrate_arms(system: System, arms: list[Arm], log: Log) -> tuple[System, Calibration | None]:
+def calibrate_arms(system: System, arms: list[Arm], log: Log, progress: Progress | None = None
+                   ) -> tuple[System, Calibration | None]:
     """The system whose cost model prices the run's reported predictions, and what calibrating it found:
     a few of the profile's shapes measured here around the arms' microbatch sizes, at their plans' TP
     degrees (:mod:`dflop.jobs.calibrate`). The arms were planned on the profile as recorded: the
@@ -178,7 +194,7 @@ def calibrate_arms(system: System, arms: list[Arm], log: Log) -> tuple[System, C
     if not isinstance(system.cost, ProfiledCostModel):
         return system, None
     sizes, tps = microbatch_sizes(system.cost, [(arm.plan, arm.steps) for arm in arms])
-    cost, calibration = calibrate_cost(system.cost, log, sizes, tps)
+    cost, calibration = calibrate_cost(system.cost, log, sizes, tps, progress)
     return replace(system, cost=cost), calibration
 
 

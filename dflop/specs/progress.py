@@ -7,3 +7,7 @@ from typing import Callable
 
 Progress = Callable[[str, int, int], None]
 """``progress(what, done, total)``: ``done`` of ``total`` units of the work called ``what``."""
+
+Channel = Callable[[str, str], Progress]
+"""``channel(describe, unit)``: the progress of another kind of work on the same display (its name
+from ``describe``, a format string with one ``{}`` for the ``what`` it is told, or none)."""
