@@ -1,6 +1,6 @@
 """Fidelity where the profile was not measured: the shipped profile on this machine, as a user's first run meets it.
 
-Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_foreign_profile.py [--steps 3] [--rounds 2]
+Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_foreign_profile.py [--steps 3] [--rounds 3]
 
 The shipped CPU profile (measured on the developers' machine) predicts plans it was never
 tuned on (``PLANS``: held out of bench_fidelity's), on two mixes, each plan launched on
@@ -9,10 +9,12 @@ the tiny models through the torch backend. Each round is a user's run: the calib
 runs, as `dflop run` measures them before its first step, each part scaled by what it ran
 at), then the plan's steps. Per mix and plan it prints the measured step graph (median over
 the steps after the warm-up) against the prediction as the profile records it and against
-the calibrated one, each the median over the rounds: on a shared machine one calibration
+the calibrated one, each the median over the rounds (the errors: the median of the rounds'
+errors, each round against its own calibration): on a shared machine one calibration
 is a few seconds' snapshot of a speed that moves by tens of percent from minute to minute,
-and the rounds say how far (the range of the rounds' calibrated errors). Two plans have more ranks than this machine's 2 cores: the ranks take turns on the
-cores, and so do their predictions (``TorchBackend`` predicts with ``shared_cores``: the ops
+and the rounds say how far (the range of the rounds' calibrated errors). Two plans have more
+ranks than this machine's 2 cores: the ranks take turns on the cores, and so do their
+predictions (``TorchBackend`` predicts with ``shared_cores``: the ops
 in progress share the cores as the OS time-slices processes, ``dflop.sim.sharing``).
 """
 
@@ -48,13 +50,13 @@ def main() -> None:
     from dflop.timing.steps import CostedPlan
     from dflop.workload import batches
 
-    parser = tiny_cpu.parser(__doc__.splitlines()[0], "llava-ov")
+    parser = tiny_cpu.parser(__doc__.splitlines()[0], mix=None)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per plan and round (after a warm-up)")
     parser.add_argument("--rounds", type=int, default=3, help="runs per plan: a calibration, then its steps")
     args = parser.parse_args()
     rows = []
     for mix in MIXES:
-        system, cost, data, note = tiny_cpu.setup(argparse.Namespace(**{**vars(args), "mix": mix}))
+        system, cost, data, note = tiny_cpu.setup(argparse.Namespace(**vars(args), mix=mix))
         print(f"{mix}: {note}; {machine_note(cost) or 'profile measured on this machine'}")
         for name, fields in PLANS.items():
             plan = tiny_cpu.plan(fields)

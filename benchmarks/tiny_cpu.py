@@ -8,10 +8,12 @@ import argparse
 from typing import Any
 
 
-def parser(description: str, mix: str) -> argparse.ArgumentParser:
+def parser(description: str, mix: str | None) -> argparse.ArgumentParser:
+    """The shared options; ``--mix`` with ``mix`` as its default (none for a benchmark of several mixes)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--mix", default=mix)
+    if mix is not None:
+        p.add_argument("--mix", default=mix)
     p.add_argument("--profiles", action="append", default=[], help="profile store folder(s)")
     p.add_argument("--json", help="also write the figures here")
     return p

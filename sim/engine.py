@@ -23,7 +23,9 @@ SimPy's public API is used (``timeout``, an event's ``callbacks`` and
 compute node's end is known when its event is scheduled, so its callback reads
 that instead of the clock. Per-worker processes waiting on ``AllOf`` of their
 predecessors would cost several SimPy events per node instead of one per
-compute node.
+compute node. (With shared cores a node's end is known only as it comes:
+``ProcessorSharing`` schedules the soonest end again whenever the ops in progress
+change, and a node ready later than it is known to be waits on an event of its own.)
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
     ranks = [len(w.gpus) for w in graph.workers]
     sharing = None
     if cores is not None and cores < sum(ranks):
-        sharing = ProcessorSharing(env, cores, lambda k, now: compute_ended(k, now))
+        sharing = ProcessorSharing(env, cores, lambda k, now: compute_ended(k, now), lambda c, now: known(c, now, now))
     wakes = 0
 
     def change(w: int, delta: float, at: int) -> None:
@@ -150,11 +152,11 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
         start[k] = at
         if alloc[k] or transient[k]:  # the worker is idle until then, so booking early changes no peak
             change(worker_of[k], alloc[k] + transient[k], at)
-        if sharing is None:
-            end[k] = at + duration[k]  # when its event fires (read there instead of the clock)
-            timeout(at - now + duration[k], k).callbacks.append(compute_done)
-        else:  # at == now: it ends when its share of the cores has done its work
-            sharing.join(k, duration[k], ranks[worker_of[k]])
+        if sharing is not None:  # at == now: it ends (and reaches its lags) as its share of the cores works
+            sharing.join(k, duration[k], ranks[worker_of[k]], [(c, lag[c].item()) for c in overlapping[k]])
+            return
+        end[k] = at + duration[k]  # when its event fires (read there instead of the clock)
+        timeout(at - now + duration[k], k).callbacks.append(compute_done)
         for c in overlapping[k]:
             known(c, at + lag[c].item(), now)
 

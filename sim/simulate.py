@@ -37,7 +37,7 @@ def simulate_steps(runner: CostedPlan, batches: Iterable[SampleTable], assign: A
     """Run every batch as one step: partition it with ``assign``, cost it with the runner's
     cost model, execute its step graph in SimPy; steps run back to back (the optimizer step is a
     barrier). ``cores``: the CPU cores the ranks share (:func:`dflop.sim.engine.execute`)."""
-    trace = TraceBuilder(meta=trace_meta(runner, **(meta or {})))
+    trace = TraceBuilder(meta=trace_meta(runner, **(meta or {}), **({"shared_cores": cores} if cores else {})))
     offset = 0
     steps = []
     for index, batch in enumerate(batches):

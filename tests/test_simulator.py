@@ -171,37 +171,61 @@ def test_three_evaluators_agree_on_full_plans(model, cluster, builder_setup, pla
     assert_valid_execution(step.graph, step.costs, crowded.start, crowded.end, contention=True)
 
 
-@given(plans, st.integers(0, 10_000), st.integers(1, 6))
-def test_ranks_outnumbering_the_cores_share_them_as_time_slices(model, cluster, builder_setup, plan, seed, cores):
-    """Every compute op in progress advances at min(1, cores / ranks computing): its work, integrated
-    over its span at that rate, is its duration (to the nanosecond each change of rate rounds)."""
+@given(plans, st.integers(0, 10_000), st.integers(1, 6), st.sampled_from(list(Overlap)))
+def test_ranks_outnumbering_the_cores_share_them_as_time_slices(model, cluster, builder_setup, plan, seed, cores,
+                                                                overlap):
+    """Every compute op in progress advances at min(1, cores / ranks computing): it starts as soon as
+    what it waits for has ended, and its work, integrated over its span at that rate, is its duration
+    (to the nanosecond each change of rate rounds); a gradient reduction anchored to a backward starts
+    once that backward has done its lag of work."""
     system, prof = builder_setup
     assume(not plan.problems(cluster, model, 128))
     rng = np.random.default_rng(seed)
     batch = prof.sample(64, rng)
     step = CostedPlan(plan, system).step(0, batch, rng.permutation(np.arange(64) % plan.bins))
-    graph, costs = step.graph, step.costs
+    graph, costs = step.graph, graph_costs(step.graph, with_overlap(step.timing, overlap))
     alone = execute(graph, costs, contention=False)
     shared = execute(graph, costs, contention=False, cores=cores)
     ranks = [len(w.gpus) for w in graph.workers]
-    if cores >= sum(ranks):  # nothing to share
-        assert np.array_equal(shared.start, alone.start) and np.array_equal(shared.end, alone.end)
-        return
     start, end = shared.start.tolist(), shared.end.tolist()
-    for k in range(len(graph)):
-        assert all(start[k] >= end[d] for d in graph.deps[k])
     computes = [k for k, node in enumerate(graph.nodes) if node.kind.is_compute]
     moments = sorted({t for k in computes for t in (start[k], end[k])})
     rate = []
     for a, b in zip(moments, moments[1:]):
         computing = sum(ranks[graph.nodes[k].worker] for k in computes if start[k] <= a < end[k])
         rate.append((a, b, min(1.0, cores / computing) if computing else 1.0))
+
+    def work(k, until):
+        return sum((min(b, until) - a) * r for a, b, r in rate if start[k] <= a < min(end[k], until))
+
+    for k in range(len(graph)):
+        assert all(start[k] >= end[d] for d in graph.deps[k])
     for k in computes:
-        spans = [(a, b, r) for a, b, r in rate if start[k] <= a < end[k]]
-        work = sum((b - a) * r for a, b, r in spans)
-        assert work == pytest.approx(int(costs.duration[k]), abs=len(spans) + 1)
-    work = sum(int(costs.duration[k]) * ranks[graph.nodes[k].worker] for k in computes)
-    assert shared.makespan >= max(alone.makespan, work / cores - len(moments))
+        assert start[k] == max([end[d] for d in graph.deps[k]], default=0)
+        assert work(k, end[k]) == pytest.approx(int(costs.duration[k]), abs=len(moments))
+    anchored = [(c, a) for c, a in enumerate(graph.anchor or ()) if a >= 0]
+    for c, a in anchored:
+        assert work(a, start[c]) >= int(costs.lag[c]) - len(moments)
+    if cores >= sum(ranks):
+        assert np.array_equal(shared.end, alone.end)
+    busy = sum(int(costs.duration[k]) * ranks[graph.nodes[k].worker] for k in computes)
+    assert shared.makespan >= max(alone.makespan, busy / cores - len(moments))
+
+
+def test_the_simulator_backend_predicts_each_step_with_the_cores_shared(model, cluster, builder_setup):
+    from dflop.backends import ScheduledBatch
+    from dflop.backends.sim import SimBackend
+
+    system, prof = builder_setup
+    plan = Plan(encoder=ModulePlan(dp=2), llm=ModulePlan(tp=2, dp=2), placement="colocated", microbatches=2)
+    rng = np.random.default_rng(0)
+    steps = [ScheduledBatch(b, rng.permutation(np.arange(64) % plan.bins)) for b in (prof.sample(64, rng),) * 2]
+    runner = CostedPlan(plan, system)
+    alone, shared = (SimBackend(memory=False, cores=cores).run(runner, steps) for cores in (None, 3))
+    graphs = [runner.step(i, s.batch, s.assignment) for i, s in enumerate(steps)]
+    assert [s["step_s"] for s in shared.steps] == [execute(g.graph, g.costs, cores=3).makespan / 1e9 for g in graphs]
+    assert all(a["step_s"] < b["step_s"] for a, b in zip(alone.steps, shared.steps))
+    assert shared.trace["otherData"]["shared_cores"] == 3 and "shared_cores" not in alone.trace["otherData"]
 
 
 @given(plans)

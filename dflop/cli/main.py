@@ -542,8 +542,8 @@ def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | N
     planned = plan_file(plan_path)
     with progress_bar() as progress:
         data = run_(get_backend(backend), config, steps=steps, out=out, resume=resume, progress=progress,
-                    channel=progress.channel, plan_file=planned, gpus=gpus, nodes=nodes, noise=error, calibrate=False if no_calibrate else None,
-                    init_from=init_from)
+                    channel=progress.channel, plan_file=planned, gpus=gpus, nodes=nodes, noise=error,
+                    calibrate=False if no_calibrate else None, init_from=init_from)
     if data is not None:  # under torchrun only rank 0 reports
         emit(data, as_json, _run_human)
 

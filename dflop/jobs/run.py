@@ -104,8 +104,7 @@ def plan_arms(s: Setup, steps: int, out: Path, log: Log, progress: Progress | No
 
 def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: Path, resume: Path | None = None,
         progress: Progress | None = None, channel: Channel | None = None, plan_file: PlanFile | None = None,
-        gpus: int | None = None,
-        nodes: int | None = None, noise: float | None = None, log: Log = log_to_stderr,
+        gpus: int | None = None, nodes: int | None = None, noise: float | None = None, log: Log = log_to_stderr,
         calibrate: bool | None = None, init_from: Path | None = None) -> dict[str, Any] | None:
     """Plan (or, resuming, read the run in ``resume``), execute every arm on ``backend`` and compare;
     the JSON of `dflop run` (None on a process that does not report). A plan file (or, resuming,
@@ -114,7 +113,8 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
     ``execution.calibrate``) calibrated before the first step (:func:`calibrate_arms`). ``init_from``
     (by default ``execution.init_from``): every arm starts from that checkpoint (:mod:`dflop.jobs.init_from`).
     ``progress`` hears the search; ``channel`` makes the progress of the calibration and of each arm's steps,
-    so that a display moves on from the search when the search is over."""
+    so that a display moves on from the search when the search is over (a backend that hands back an arm's
+    steps when it ends, as the torch backend's launcher does, counts them then)."""
     if resume is not None and not backend.resumable:
         raise DflopError(f"--resume {resume}: the {backend.name} backend keeps no checkpoints to continue from "
                          "(--resume continues a run of a backend that does: --backend torch)")
