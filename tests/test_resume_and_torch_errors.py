@@ -107,6 +107,15 @@ def test_ranks_outnumbering_the_cores_are_predicted_taking_turns_on_them(finishe
 
 
 
+def test_each_arm_warms_up_on_a_step_it_runs_unless_told_not_to(finished, continued):
+    """The warm-up (its effect on training: none, ``test_torch_backend``) is reported per arm, and
+    --no-warmup (the continued run's) leaves it out."""
+    for report in (finished.report, finished.report["baseline"]):
+        assert report["warmup"]["step"] in range(4) and report["warmup"]["seconds"] > 0
+    for report in (continued.report, continued.report["baseline"]):
+        assert report["warmup"] is None
+
+
 def test_resuming_a_finished_run_says_it_is_finished(finished):
     ran = dflop_here("run", "--backend", "torch", "--config", finished.config, "--resume", finished.out)
     assert_only_error(ran, str(finished.out), "this run is finished (4 of 4 steps)", "nothing to resume")
@@ -235,7 +244,7 @@ def continued(finished, tmp_path_factory):
     config = write_config(folder / "tp2.yaml", plan=TP2, **{"execution.calibrate": False})
     out = folder / "run"
     ran = dflop_here("run", "--backend", "torch", "--config", config, "--init-from", _step_2(finished.out),
-                     "--out", out, "--json")
+                     "--no-warmup", "--out", out, "--json")
     assert ran.returncode == 0, ran.stderr
     return SimpleNamespace(config=config, out=out, report=json.loads(ran.stdout))
 
@@ -363,10 +372,11 @@ def _alive(pid):
 
 
 def _steps_running(tmp):
-    """Whether a rank has reached its second step (its progress file, under the run's TMPDIR)."""
+    """Whether a rank has reached its second step (its progress file, under the run's TMPDIR), the
+    warm-up before the first aside."""
     for path in tmp.glob("dflop-progress-*/rank-*.progress"):
         text = path.read_bytes().decode(errors="replace").split()
-        if text and text[0].isdigit() and int(text[0]) >= 1:
+        if len(text) > 1 and text[0].isdigit() and int(text[0]) >= 1 and text[1] != "warm-up":
             return True
     return False
 

@@ -13,7 +13,7 @@ from dflop.backends import ScheduledBatch, get_backend
 from dflop.backends.torch_runtime.backend import RankFailed, TorchBackend
 from dflop.backends.torch_runtime.model import whole_model_name
 from dflop.backends.torch_runtime.reference import reference_training
-from dflop.backends.torch_runtime.worker import TorchOptions
+from dflop.backends.torch_runtime.worker import Payload, TorchOptions, heaviest_step
 from dflop.cost import System
 from dflop.cost.select import select_cost_model
 from dflop.errors import DflopError
@@ -102,7 +102,8 @@ def node_sequences(trace):
 @pytest.mark.parametrize("name", list(PLANS))
 def test_distributed_training_matches_the_single_process_reference(small_samples, name):
     """fp64, so reassociation noise (~1e-15) cannot hide a wrong gradient: the parameters after two
-    AdamW steps equal the sequential run's to 1e-9. The trace holds the simulator's nodes, in order
+    AdamW steps equal the sequential run's to 1e-9, the heavier step's graph having run once before
+    them as the warm-up (which changes no weight). The trace holds the simulator's nodes, in order
     (the REDUCE_GRAD and UNSHARD nodes of every ZeRO stage where the step graph puts them)."""
     plan = PLANS[name]
     system = system_of(GPUS_PER_NODE.get(name, 4))
@@ -117,6 +118,7 @@ def test_distributed_training_matches_the_single_process_reference(small_samples
     assert len({whole_model_name(n, MODEL.llm.tie_embeddings) for n in result.extra["parameters"]}) == n_params
     assert max_difference(result.extra["parameters"], reference) < 1e-9
     assert result.extra["losses"] == pytest.approx(losses, rel=1e-12)
+    assert result.extra["warmup"]["step"] in (0, 1) and result.extra["warmup"]["seconds"] > 0
     simulated = get_backend("sim").run(CostedPlan(plan, system), steps)
     assert node_sequences(result.trace) == node_sequences(simulated.trace)
     assert result.metrics.steps == 2 and len(result.extra["predicted_step_time_s"]) == 2
@@ -408,3 +410,19 @@ def test_empty_microbatches_run_as_nothing_and_train_as_the_reference(system, sm
     reference = reference_training(MODEL, [batch], options)
     assert max_difference(result.extra["parameters"], reference.parameters) < 1e-9
     assert result.extra["losses"] == pytest.approx(reference.losses, rel=1e-12)
+
+
+def test_the_warm_up_runs_the_step_whose_largest_microbatch_holds_the_most_activations(small_samples):
+    """Not the step of the most samples: a rank's memory peaks with its largest microbatch, whose
+    activations grow with its tokens (the LLM's, and the encoder's tiles), each times hidden size and
+    layers."""
+    images = small_samples.take(np.flatnonzero(np.isin(small_samples.modality, (1, 2)))[:8])
+    video = small_samples.take(np.argsort(-small_samples.tiles * (small_samples.modality == 3))[:2])
+    spread = ScheduledBatch(images, np.arange(8))  # 8 images, one a microbatch
+    packed = ScheduledBatch(video, np.zeros(2, dtype=int))  # the 2 longest videos in one microbatch
+    assert images.tiles.sum() > video.tiles.sum() > images.tiles.max()  # more in all, less in one microbatch
+    steps = [spread, packed, spread]
+    payload = Payload(PLANS["dp2 ZeRO-0 (DDP)"], MODEL, [s.batch for s in steps], [s.assignment for s in steps],
+                      TorchOptions(), 4)
+    assert heaviest_step(payload, range(3)) == 1
+    assert heaviest_step(payload, range(2, 3)) == 2  # a resumed run warms up on the steps it runs

@@ -327,7 +327,9 @@ class TorchBackend:
                 observe(ObservedStep(step, start, end))
             offset += step_ns
         doc = trace.document()
+        warm = [r.warmup for r in results.values() if r.warmup is not None]
         extra: dict[str, Any] = {"losses": [s["loss"] for s in per_step], "first_step": first,
+                                 "warmup": {"step": warm[0][0], "seconds": max(s for _, s in warm)} if warm else None,
                                  "device": str(self.options.device), "inputs": self.inputs(),
                                  "trained": [{k: s[k] for k in ("step", "loss", "sample_ids")} for s in per_step],
                                  "skipped": skipped}

@@ -44,6 +44,39 @@ def keep_freed_memory() -> bool:
     return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, NEVER_TRIM) == 1
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_bytes() -> tuple[int, int] | None:
+    """(bytes of the heap, of them free at its top); None where the C library has no ``mallinfo2``."""
+    try:
+        mallinfo2 = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return info.arena, info.keepcost
+
+
+def grow_heap(factor: float) -> int:
+    """Grow a heap that keeps freed memory (``keep_freed_memory``) to ``factor`` times its size, its new
+    pages touched (faulted in) and left free; the bytes added (0 where glibc's heap cannot be read).
+    Why: a heap that has run one step still grows, step after step, with the holes between the
+    blocks that outlive a step, and every page it grows by faults in mid-step; a long run's heap has
+    long grown past that."""
+    before = heap_bytes()
+    if before is None:
+        return 0
+    arena, top_free = before
+    block = int(arena * factor) - arena + top_free
+    if block <= top_free:
+        return 0
+    torch.empty(block, dtype=torch.uint8).fill_(0)  # freed at once: it merges into the heap's top, kept
+    return heap_bytes()[0] - arena
+
+
 def set_up_cpu_process(threads: int | None = None) -> bool:
     """``threads`` torch threads (None: ``CPU_THREADS``) and freed memory kept; whether memory is kept
     (see ``keep_freed_memory``)."""

@@ -147,6 +147,9 @@ class RankStep:
     decoded: dict[str, torch.Tensor | str] | None = None
     """Pixels decoded ahead (``decoding.decode``), by sample id: a sample's tiles, or why they did not
     decode; every sample whose pixels this rank feeds is there. None: decoded here, by :meth:`prepare`."""
+    warmup: bool = False
+    """The step's graph run untimed before the first step (``worker.run_rank``'s warm-up): where it
+    is and how it failed say so."""
     inputs_s: float = 0.0
     """Seconds the rank spent making its inputs (:meth:`prepare`, waiting for its pixels included)."""
     decode_s: float = 0.0
@@ -191,7 +194,7 @@ class RankStep:
         for n in self.graph.order[self.w.graph_worker]:
             node = self.graph.nodes[n]
             if self.progress is not None:
-                self.progress.write(self.step, self.graph.labels[n])
+                self.progress.write(self.step, ("warm-up " if self.warmup else "") + self.graph.labels[n])
             if self.fail[0] == self.graph.labels[n]:
                 self.inject_failure()
             try:
@@ -222,7 +225,8 @@ class RankStep:
         what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if node is not None and (isinstance(exc, torch.OutOfMemoryError) or "out of memory" in what.lower()):
             what = f"out of memory ({self.shape_of(node)}): {what}"
-        return ActionFailed(f"rank {self.w.layout.rank} (w{self.w.graph_worker}) failed at step {self.step}, "
+        return ActionFailed(f"rank {self.w.layout.rank} (w{self.w.graph_worker}) failed at step {self.step}"
+                            f"{' (its graph run as the warm-up)' if self.warmup else ''}, "
                             f"{where}{self.peers_named(peers, what)}: {type(exc).__name__}: {what}", details=details)
 
     def peers_of(self, n: int) -> list[int]:

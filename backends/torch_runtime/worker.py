@@ -1,5 +1,5 @@
-"""One torch rank's whole run: join the process group, build its stages, then execute every step's
-graph and the optimizer step, checkpointing every K steps.
+"""One torch rank's whole run: join the process group, build its stages, warm up, then execute every
+step's graph and the optimizer step, checkpointing every K steps.
 
 Every rank lowers each step's graph itself from the step's schedule (the same
 deterministic function the simulator uses), so nothing but the schedules ever
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dflop.backends.torch_runtime.cpu_process import set_up_cpu_process
+from dflop.backends.torch_runtime.cpu_process import grow_heap, set_up_cpu_process
 from dflop.timing.dpcomm import shard_degree
 from dflop.program.schedules import splits_backward
 from dflop.program.lowering import lower_step
@@ -39,7 +39,7 @@ from dflop.backends.torch_runtime.hf_checkpoint import load_stages, open_checkpo
 from dflop.backends.torch_runtime.model import build_stage
 from dflop.backends.torch_runtime.progress import ProgressFile
 from dflop.backends.torch_runtime.recompute import block_runner
-from dflop.backends.torch_runtime.parallel import (Groups, RankLayout, fully_shard_stage, make_optimizer,
+from dflop.backends.torch_runtime.parallel import (Groups, RankLayout, fully_shard_stage, local, make_optimizer,
                                                    tensor_parallel)
 from dflop.backends.torch_runtime.runtime import CONNECTION_LOST, Clock, RankStep, RankState
 from dflop.backends.torch_runtime.shapes import StepData
@@ -98,6 +98,8 @@ class RankResult:
     """Full parameters at the end (only when asked, for tests)."""
     weights_read: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """What this rank read from the checkpoint of ``TorchOptions.weights``: tensor name -> shape read."""
+    warmup: tuple[int, float] | None = None
+    """(step, seconds): the step whose graph ran once untimed before the first step (``warm_up``)."""
 
 
 def _stage_modules(plan: Plan, model: MLLMSpec, template: Template, worker: int, seed: int,
@@ -173,7 +175,6 @@ def _llm_end_groups(template: Template):  # noqa: ANN202 - (Group, Group)
 def _sync_tied_embedding(worker: RankState, groups: Groups, template: Template, gw) -> None:  # noqa: ANN001
     """The embedding (first LLM stage) and the head (last LLM stage) are one matrix: their gradients
     are added, on the rank when it holds both (V placement), across ranks otherwise."""
-    from dflop.backends.torch_runtime.parallel import local
 
     tied = []
     for s, module in worker.stages.items():
@@ -193,9 +194,8 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     """The body of one rank (spawned locally or under torchrun; the process group is set up here)."""
     opts = payload.options
     device = torch.device("cpu" if opts.device is Device.CPU else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
-    if device.type == "cpu":
-        set_up_cpu_process()
-    else:
+    kept = device.type == "cpu" and set_up_cpu_process()
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl",
@@ -212,27 +212,51 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     trained = checkpoint.TrainedBatches(payload.batches)  # what each checkpoint records it was trained on
     progress = ProgressFile(Path(opts.progress_dir), rank) if opts.progress_dir else None
 
-    def prepared(step: int, decoded: Decoded | None = None, skip: dict[str, str] | None = None) -> RankStep:
+    def prepared(step: int, decoded: Decoded | None = None, skip: dict[str, str] | None = None,
+                 synthetic: bool = False) -> RankStep:
         """Step ``step`` (without the samples ``skip`` names) with every input its forwards read made
-        (images decoded, or taken from ``decoded``; tokens, positions), and the seconds that took."""
+        (images decoded, or taken from ``decoded``; tokens, positions; with ``synthetic``, drawn from
+        the samples' ids in the same shapes), and the seconds that took."""
         began = time.perf_counter()
         batch, assignment = payload.batches[step], np.asarray(payload.assignments[step])
         if skip:
             keep = np.flatnonzero(~np.isin(batch.ids.astype(str), list(skip)))
             batch, assignment = batch.take(keep), assignment[keep]
-        data = StepData(payload.plan, batch, assignment, payload.texts[step] if payload.texts is not None else None)
+        texts = None if synthetic or payload.texts is None else payload.texts[step]
+        data = StepData(payload.plan, batch, assignment, texts)
         run = RankStep(worker, lower_step(template, batch, assignment), data, step, Clock(device), dtype=info["dtype"],
                        hidden={Module.LLM: model.llm.hidden, Module.ENCODER: model.encoder.hidden},
                        patches=model.encoder.patches_per_tile, progress=progress, gpus_per_node=payload.gpus_per_node,
                        decoded=decoded.pixels if decoded is not None else None)
-        if opts.fail_at[0] == step and rank == 0:
+        if opts.fail_at[0] == step and rank == 0 and not synthetic:
             run.fail = (opts.fail_at[1], opts.fail_at[2])
         run.prepare()
         run.inputs_s = time.perf_counter() - began
         run.decode_s = decoded.seconds if decoded is not None else 0.0
         return run
 
+    def warm_up(step: int) -> tuple[int, float]:
+        """Run step ``step``'s graph once, untimed, on synthetic inputs of its shapes, beside as much
+        memory as AdamW's two moments take (the optimizer makes them at its first step), and drop its
+        gradients: the weights and the optimizer stay as they were. The memory a fresh process
+        faults in over its first steps, its caches and its groups' first collectives, which a long
+        run pays once and a profile's warm-up excludes, are then not in the timed steps."""
+        began = time.perf_counter()
+        run = prepared(step, synthetic=True)
+        run.warmup = True
+        moments = [torch.zeros_like(local(p)) for p in worker.parameters() for _ in range(2)]
+        run.run()
+        del moments
+        optimizer.zero_grad(set_to_none=True)
+        if kept:
+            grow_heap(HEAP_HEADROOM)
+        with _between_steps(run, "warm-up barrier"):
+            dist.barrier()
+        return step, time.perf_counter() - began
+
     steps = range(start, len(payload.batches))
+    if opts.warmup and steps:
+        result.warmup = warm_up(heaviest_step(payload, steps))
     media = _rank_media(payload, info["gw"], worker.colocated_encoder is not None, steps)
     for step, decoded, waited in _decoded(media, steps, opts.decoders):
         run = prepared(step, decoded)
@@ -270,6 +294,27 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
         result.parameters = {n: _full(p).detach().cpu().clone() for n, p in named.items()}
     dist.barrier()
     return result
+
+
+HEAP_HEADROOM = 1.5
+"""What a CPU rank's heap is grown to after the warm-up, times its size then: the steps of a run
+that follow one step's warm-up grow it by up to a third more (their blocks fall between those that
+outlive a step)."""
+
+
+def heaviest_step(payload: Payload, steps: range) -> int:
+    """The step of ``steps`` whose largest microbatch holds the most activations (tokens times hidden
+    size times layers, the LLM's and the encoder's added): the one that grows a rank's memory most."""
+    llm, encoder = payload.model.llm, payload.model.encoder
+
+    def size(step: int) -> tuple[float, float]:
+        b, assignment = payload.batches[step], np.asarray(payload.assignments[step])
+        volume = (b.llm_tokens * (llm.hidden * llm.layers)
+                  + b.tiles * (encoder.patches_per_tile * encoder.hidden * encoder.layers)).astype(float)
+        per_bin = np.bincount(assignment, weights=volume)
+        return float(per_bin.max(initial=0.0)), float(per_bin.sum())
+
+    return max(steps, key=size)
 
 
 def _undecodable_anywhere(mine: dict[str, str]) -> dict[str, str]:

@@ -529,10 +529,13 @@ def backend_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--no-calibrate", "no_calibrate", is_flag=True,
               help="torch: report predictions on the profile as recorded, without first measuring a few of its "
                    "shapes here and scaling them (execution.calibrate: false).")
+@click.option("--no-warmup", "no_warmup", is_flag=True,
+              help="torch: time the first step as it comes, without first running the heaviest step's graph "
+                   "once, untimed (execution.warmup: false).")
 @json_option
 def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | None, nodes: int | None,
         steps: int | None, error: float | None, out: Path, resume: Path | None, init_from: Path | None,
-        no_calibrate: bool, as_json: bool) -> None:
+        no_calibrate: bool, no_warmup: bool, as_json: bool) -> None:
     """Plan, schedule every step and execute it: simulated (sim), or trained for real (torch); compare with the
     strongest baseline (with --plan: the same plan on arrival-order batches)."""
     from dflop.backends.base import get_backend
@@ -543,7 +546,8 @@ def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | N
     with progress_bar() as progress:
         data = run_(get_backend(backend), config, steps=steps, out=out, resume=resume, progress=progress,
                     channel=progress.channel, plan_file=planned, gpus=gpus, nodes=nodes, noise=error,
-                    calibrate=False if no_calibrate else None, init_from=init_from)
+                    calibrate=False if no_calibrate else None, init_from=init_from,
+                    warmup=False if no_warmup else None)
     if data is not None:  # under torchrun only rank 0 reports
         emit(data, as_json, _run_human)
 
@@ -559,6 +563,8 @@ def _run_human(r: dict[str, Any]) -> str:
             lines.append(f"          measured step = step graph {x['graph_time_s']['mean']:.3f} s + optimizer "
                          f"{x['optimizer_time_s']['mean']:.3f} s; predicted graph "
                          f"{x['predicted_step_time_s']['mean']:.3f} s ({x['measured_prediction_error']:+.1%} after step 1)")
+        if warm := x.get("warmup"):
+            lines.append(f"          warmed up first: step {warm['step'] + 1}'s graph once, untimed, in {warm['seconds']:.2f} s")
         if "losses" in x:
             lines.append(f"          loss {x['losses'][0]:.4f} -> {x['losses'][-1]:.4f}")
         return lines

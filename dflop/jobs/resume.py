@@ -47,8 +47,9 @@ class Arm:
 
 
 RUN_FILE = "run.json"
-RESULT_FREE = ("timeout_s", "decode_workers")
-"""Execution settings a resume may change: no result depends on them."""
+RESULT_FREE = ("timeout_s", "decode_workers", "warmup")
+"""Execution settings a resume may change: no weight or loss depends on them (the warm-up changes
+how the first steps are timed, not what they train)."""
 ARM_NAMES = ("dflop", "baseline", "baseline_balanced")
 """dflop's plan with its bins, the strongest baseline with its rule, that baseline's plan with dflop's bins."""
 SCHEDULE = re.compile(r"step-\d{6}\.json")

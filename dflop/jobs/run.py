@@ -42,11 +42,12 @@ from dflop.jobs.resume import RUN_FILE, Arm, clear, plain, resume_run, run_recor
 from dflop.jobs.setup import Log, Setup, load_config, log_to_stderr, setup
 from dflop.jobs.steps import schedule_steps
 
-TRAINING_FIELDS = ("losses", "graph_time_s", "optimizer_time_s", "device", "inputs", "trained", "skipped")
+TRAINING_FIELDS = ("losses", "graph_time_s", "optimizer_time_s", "device", "inputs", "trained", "skipped", "warmup")
 """What an arm reports only where its backend trains (the torch backend): the losses, the measured
 step split into step graph and optimizer step, the device, what it trained on (``inputs``: real
 samples or synthetic), per step its loss and the ids of the samples it trained (``trained``), and
-the samples it skipped because their media failed to decode (``skipped``: step, sample_id, why).
+the samples it skipped because their media failed to decode (``skipped``: step, sample_id, why),
+and the step its ranks ran once, untimed, before the first (``warmup``: step, seconds; None without).
 Every other field every backend reports."""
 CALIBRATION_FIELDS = ("calibration", "uncalibrated_predicted_step_time_s", "uncalibrated_prediction_error")
 """What a run reports only where it calibrated (a backend on this machine's processors, ``execution.calibrate``):
@@ -105,13 +106,15 @@ def plan_arms(s: Setup, steps: int, out: Path, log: Log, progress: Progress | No
 def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: Path, resume: Path | None = None,
         progress: Progress | None = None, channel: Channel | None = None, plan_file: PlanFile | None = None,
         gpus: int | None = None, nodes: int | None = None, noise: float | None = None, log: Log = log_to_stderr,
-        calibrate: bool | None = None, init_from: Path | None = None) -> dict[str, Any] | None:
+        calibrate: bool | None = None, init_from: Path | None = None, warmup: bool | None = None
+        ) -> dict[str, Any] | None:
     """Plan (or, resuming, read the run in ``resume``), execute every arm on ``backend`` and compare;
     the JSON of `dflop run` (None on a process that does not report). A plan file (or, resuming,
     the run's own) brings its plan and the cluster it was made for. On a backend that runs on this
     machine, a profiled cost model measured elsewhere is said so first, and (``calibrate``, by default
     ``execution.calibrate``) calibrated before the first step (:func:`calibrate_arms`). ``init_from``
-    (by default ``execution.init_from``): every arm starts from that checkpoint (:mod:`dflop.jobs.init_from`).
+    (by default ``execution.init_from``): every arm starts from that checkpoint (:mod:`dflop.jobs.init_from`);
+    ``warmup``, when given, in place of ``execution.warmup``.
     ``progress`` hears the search; ``channel`` makes the progress of the calibration and of each arm's steps,
     so that a display moves on from the search when the search is over (a backend that hands back an arm's
     steps when it ends, as the torch backend's launcher does, counts them then)."""
@@ -120,6 +123,8 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
                          "(--resume continues a run of a backend that does: --backend torch)")
     where = str(config_path or DEFAULTS[backend.defaults])
     config = with_init_from(load_config(config_path, backend.defaults), init_from, backend, where)
+    if warmup is not None:
+        config = replace(config, execution=replace(config.execution, warmup=warmup))
     calibrate = backend.calibrates and (config.execution.calibrate if calibrate is None else calibrate)
     folder = resume or out
     with backend.session(config, folder, where=where, resume=resume is not None):
@@ -234,7 +239,7 @@ def _measured(result: BackendResult, global_batch: int, name: str, out: Path) ->
     if "graph_s" in result.steps[0]:
         fields["graph_time_s"] = {"mean": float(np.mean(graph)), "each": graph}
         fields["optimizer_time_s"] = {"mean": float(np.mean([s["optimizer_s"] for s in result.steps]))}
-    for key in ("losses", "device", "inputs", "trained", "skipped"):
+    for key in TRAINING_FIELDS:
         if key in result.extra:
             fields[key] = result.extra[key]
     fields["steps"] = len(result.steps)

@@ -74,6 +74,11 @@ class ExecutionSpec:
     """Before the first step, measure a few of the profile's shapes here and scale the run's reported
     predictions by what they ran at (``dflop.cost.calibration``): a profile measured on another machine
     prices every step off by the ratio between the two."""
+    warmup: bool = True
+    """Before the first timed step, run the heaviest step's graph once on every rank, untimed and
+    without an update (torchtitan's and Megatron's benchmarks skip their first iterations alike): a
+    fresh process's first steps fault in its memory, which a long run pays once and a profile's
+    measurement, warmed up, does not price."""
 
     def __post_init__(self) -> None:
         check_numbers(self)
