@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -120,3 +121,37 @@ def test_profiling_a_large_model_on_cpu_warns_before_starting(tmp_path):
         proc.stderr.close()
     assert first.startswith("dflop: warning: profiling qwen2.5-7b on cpu may take about ") and "--grid quick" in first
     assert not (tmp_path / "profile.jsonl").exists()  # said before anything was measured
+
+
+def test_a_launcher_tells_the_steps_every_rank_has_run_from_their_progress_files(tmp_path):
+    """The torch backend's launcher waits for its ranks until they end; meanwhile it reads their
+    progress files: the steps all of them have run are the step the furthest behind is in, and
+    nothing while one has not started or warms up (on a later step's graph)."""
+    from dflop.backends.torch_runtime.progress import ProgressFile, steps_done, telling_steps
+
+    first, second = ProgressFile(tmp_path, 0), ProgressFile(tmp_path, 1)
+    assert steps_done(tmp_path, 2) is None
+    first.write(3, "warm-up F0")
+    second.write(3, "warm-up barrier")
+    assert steps_done(tmp_path, 2) is None
+    first.write(0, "F0")
+    assert steps_done(tmp_path, 2) is None
+    second.write(0, "barrier")
+    assert steps_done(tmp_path, 2) == 0
+    first.write(2, "optimizer")
+    second.write(1, "B1")
+    assert steps_done(tmp_path, 2) == 1
+    told: list[int] = []
+
+    def told_by_now(step: int) -> None:
+        deadline = time.monotonic() + 5
+        while (not told or told[-1] < step) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    with telling_steps(tmp_path, 2, told.append, every=0.005):
+        told_by_now(1)
+        for step in (2, 2, 3):
+            first.write(step, "F0")
+            second.write(step, "F0")
+            told_by_now(step)
+    assert told == [1, 2, 3]  # each count once, as it grew

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import mmap
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
+
+from dflop.specs.progress import periodically
 
 SIZE = 128
 
@@ -52,6 +56,41 @@ def read_progress(folder: Path, rank: int) -> tuple[int, str] | None:
         return None
     step, _, label = text.partition(" ")
     return (int(step), label) if step.isdigit() else None
+
+
+WATCH_S = 0.5
+"""How often the launcher reads its ranks' progress files to tell how many steps they have run."""
+
+
+def steps_done(folder: Path, ranks: int) -> int | None:
+    """How many steps all ``ranks`` have run, by their progress files: the step the rank furthest
+    behind is in (steps are numbered from 0); None while one has written nothing yet or warms up
+    (its warm-up runs a later step's graph)."""
+    where = [read_progress(folder, rank) for rank in range(ranks)]
+    if any(w is None or w[1].startswith("warm-up") for w in where):
+        return None
+    return min(step for step, _ in where)
+
+
+@contextmanager
+def telling_steps(folder: Path, ranks: int, tell: Callable[[int], None] | None,
+                  every: float = WATCH_S) -> Iterator[None]:
+    """While the block runs (the ranks run their steps), ``tell`` the steps they have all run
+    (``steps_done``) each time it grows, from a thread of its own: a launcher blocked until the
+    ranks end hands their steps back only then."""
+    if tell is None:
+        yield
+        return
+    told = [-1]
+
+    def watch() -> None:
+        done = steps_done(folder, ranks)
+        if done is not None and done > told[0]:
+            tell(done)
+            told[0] = done
+
+    with periodically(every, watch, "dflop-steps"):
+        yield
 
 
 def _alive(pid: int) -> bool:

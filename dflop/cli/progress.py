@@ -18,7 +18,9 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, Callable, ContextManager, Iterator, TextIO
+
+from dflop.specs.progress import periodically
 
 Describe = Callable[[str], str]
 
@@ -83,22 +85,9 @@ class LineDisplay:
         self.last_line = now
 
 
-@contextmanager
-def heartbeat(display: LineDisplay, every: float) -> Iterator[None]:
+def heartbeat(display: LineDisplay, every: float) -> ContextManager[None]:
     """Call ``display.tick()`` every ``every`` seconds from a daemon thread while the block runs."""
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(every):
-            display.tick()
-
-    thread = threading.Thread(target=beat, name="dflop-progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+    return periodically(every, display.tick, "dflop-progress")
 
 
 class BarDisplay:

@@ -116,8 +116,8 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
     (by default ``execution.init_from``): every arm starts from that checkpoint (:mod:`dflop.jobs.init_from`);
     ``warmup``, when given, in place of ``execution.warmup``.
     ``progress`` hears the search; ``channel`` makes the progress of the calibration and of each arm's steps,
-    so that a display moves on from the search when the search is over (a backend that hands back an arm's
-    steps when it ends, as the torch backend's launcher does, counts them then)."""
+    so that a display moves on from the search when the search is over (the steps as the backend
+    observes them, or, where it hands them back when the arm ends, as it says they have run)."""
     if resume is not None and not backend.resumable:
         raise DflopError(f"--resume {resume}: the {backend.name} backend keeps no checkpoints to continue from "
                          "(--resume continues a run of a backend that does: --backend torch)")
@@ -153,12 +153,13 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
         for arm in arms:
             if arm.measured is not None:  # finished before this resume
                 continue
-            observe = None
+            observe = ran = None
             if running is not None:
                 running(arm.name, 0, len(arm.steps))
-                observe = partial(_ran, running, arm.name, len(arm.steps))
+                observe = partial(_observed, running, arm.name, len(arm.steps))
+                ran = partial(_ran, running, arm.name, len(arm.steps))
             result = backend.run(CostedPlan(arm.plan, system), arm.steps, observe=observe,
-                                 meta={"name": arm.name, "solver": arm.solver})
+                                 meta={"name": arm.name, "solver": arm.solver}, ran=ran)
             if backend.is_reporting_rank():
                 arm.measured = _measured(result, system.training.global_batch, arm.name, folder)
                 if calibration is not None:
@@ -172,8 +173,12 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
         return data
 
 
-def _ran(progress: Progress, name: str, steps: int, observed: ObservedStep) -> None:
+def _observed(progress: Progress, name: str, steps: int, observed: ObservedStep) -> None:
     progress(name, observed.step.index + 1, steps)
+
+
+def _ran(progress: Progress, name: str, steps: int, done: int) -> None:
+    progress(name, done, steps)
 
 
 def _say_machine(backend: Backend, system: System, calibrate: bool, log: Log) -> None:
