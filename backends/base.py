@@ -71,11 +71,11 @@ class Backend(Protocol):
     model to them before it reports predictions (``execution.calibrate``)."""
 
     def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
-            meta: dict[str, Any] | None = None, ran: Callable[[int], None] | None = None) -> BackendResult:
+            meta: dict[str, Any] | None = None, steps_run: Callable[[int], None] | None = None) -> BackendResult:
         """Execute ``steps`` of ``runner``'s plan, one after the other. ``extra["predicted_step_time_s"]``:
         the simulator's prediction of each step (on the simulator, its own step times). ``observe``
-        hears every step with its node times; ``ran``, where the backend knows it before it hands
-        the steps back (the torch backend's launcher), how many steps have run, as it grows."""
+        hears every step with its node times; ``steps_run``, where the backend knows it before it
+        hands the steps back (the torch backend's launcher), how many steps have run, as it grows."""
 
     def session(self, config: RunConfig, folder: Path, *, where: str, resume: bool) -> AbstractContextManager[None]:
         """Around one whole run into ``folder`` (``where`` names the config in errors): what the

@@ -29,8 +29,8 @@ class SimBackend:
     take turns); None: every rank computes on a device of its own."""
 
     def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
-            meta: dict[str, Any] | None = None, ran: Callable[[int], None] | None = None) -> BackendResult:
-        # (``ran`` goes unused: ``observe`` hears every step as it is simulated)
+            meta: dict[str, Any] | None = None, steps_run: Callable[[int], None] | None = None) -> BackendResult:
+        # (``steps_run`` goes unused: ``observe`` hears every step as it is simulated)
         def seen(step, ex) -> None:  # noqa: ANN001 - (Step, Execution)
             if observe is not None:
                 observe(ObservedStep(step, ex.start, ex.end))

@@ -21,6 +21,7 @@ import yaml
 from cli_helpers import assert_one_line_error, assert_only_error, dflop_here
 
 from dflop.backends.torch_runtime import backend as torch_backend
+from dflop.backends.torch_runtime.progress import WARMUP
 
 pytestmark = pytest.mark.processes
 
@@ -376,7 +377,7 @@ def _steps_running(tmp):
     warm-up before the first aside."""
     for path in tmp.glob("dflop-progress-*/rank-*.progress"):
         text = path.read_bytes().decode(errors="replace").split()
-        if len(text) > 1 and text[0].isdigit() and int(text[0]) >= 1 and text[1] != "warm-up":
+        if len(text) > 1 and text[0].isdigit() and int(text[0]) >= 1 and text[1] != WARMUP:
             return True
     return False
 

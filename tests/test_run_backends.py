@@ -23,7 +23,7 @@ class Recording(SimBackend):
     name = "recording"
     ran: list[str] = field(default_factory=list)
 
-    def run(self, runner, steps, *, observe=None, meta=None, ran=None):
+    def run(self, runner, steps, *, observe=None, meta=None, steps_run=None):
         self.ran.append(meta["name"])
         return super().run(runner, steps, observe=observe, meta=meta)
 

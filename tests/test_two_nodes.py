@@ -33,7 +33,7 @@ import dflop.backends
 from dflop.backends.base import ScheduledBatch
 from dflop.backends.torch_runtime.backend import TorchBackend, check_launch
 from dflop.backends.torch_runtime.model import whole_model_name
-from dflop.backends.torch_runtime.progress import read_progress
+from dflop.backends.torch_runtime.progress import WARMUP, read_progress
 from dflop.backends.torch_runtime.worker import TorchOptions
 from dflop.errors import DflopError
 from dflop.jobs import setup as jobs_setup
@@ -192,11 +192,13 @@ def test_a_launch_on_other_nodes_than_the_plan_s_is_refused_by_every_rank(config
 
 
 def progress_of(tmp):
-    """{rank: step} of the ranks whose agent's TMPDIR is ``tmp`` (each rank keeps a progress file there)."""
+    """{rank: step} of the ranks whose agent's TMPDIR is ``tmp`` (each rank keeps a progress file there;
+    -1 before it has written one, or while it warms up on a later step's graph)."""
     out = {}
     for path in tmp.glob("dflop-progress-*/rank-*.progress"):
         rank = int(path.stem.split("-")[1])
-        out[rank] = (read_progress(path.parent, rank) or (-1,))[0]
+        step, label = read_progress(path.parent, rank) or (-1, "")
+        out[rank] = -1 if label.startswith(WARMUP) else step
     return out
 
 

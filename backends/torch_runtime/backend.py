@@ -46,7 +46,7 @@ from dflop.workload.chat import Encoded, by_step, encode_samples, load_chat
 
 from dflop.backends.torch_runtime import checkpoint
 from dflop.backends.torch_runtime.hf_checkpoint import check_checkpoint, open_checkpoint
-from dflop.backends.torch_runtime.progress import read_progress, telling_steps
+from dflop.backends.torch_runtime.progress import WARMUP, read_progress, telling_steps
 from dflop.backends.torch_runtime.worker import Payload, RankResult, TorchOptions, rank_entry, run_rank
 
 
@@ -151,7 +151,7 @@ class TorchBackend:
     """(dataset, checkpoint): its samples rendered and tokenized, by id, once for every arm of a run."""
 
     def run(self, runner: CostedPlan, steps: Sequence[ScheduledBatch], *, observe: Observer | None = None,
-            meta: dict[str, Any] | None = None, ran: Callable[[int], None] | None = None) -> BackendResult:
+            meta: dict[str, Any] | None = None, steps_run: Callable[[int], None] | None = None) -> BackendResult:
         refuse_unsupported(runner.plan, self.options)
         if self.options.weights:  # before any rank starts: one line naming the tensor and the file
             check_checkpoint(open_checkpoint(self.options.weights), runner.system.model)
@@ -179,7 +179,7 @@ class TorchBackend:
             payload = Payload(runner.plan, runner.system.model, [s.batch for s in steps],
                               [np.asarray(s.assignment) for s in steps], opts, runner.system.cluster.gpus_per_node,
                               texts)
-            results = self._launch(payload, Path(opts.progress_dir), ran)
+            results = self._launch(payload, Path(opts.progress_dir), steps_run)
         if results is None:  # a rank other than 0 under torchrun: rank 0 reports
             return BackendResult({}, metrics({"traceEvents": []}), [], {"rank": int(os.environ["RANK"])})
         return self._report(runner, steps, results, observe, meta)
@@ -256,7 +256,7 @@ class TorchBackend:
 
     # ---- launching --------------------------------------------------------------------------------
 
-    def _launch(self, payload: Payload, progress: Path, ran: Callable[[int], None] | None = None
+    def _launch(self, payload: Payload, progress: Path, steps_run: Callable[[int], None] | None = None
                 ) -> dict[int, RankResult] | None:
         if under_torchrun():
             import torch.distributed as dist
@@ -265,9 +265,9 @@ class TorchBackend:
             gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
             dist.gather_object(mine, gathered, dst=0)
             return {r.rank: r for r in gathered} if gathered is not None else None
-        return self._spawn(payload, progress, ran)
+        return self._spawn(payload, progress, steps_run)
 
-    def _spawn(self, payload: Payload, progress: Path, ran: Callable[[int], None] | None = None
+    def _spawn(self, payload: Payload, progress: Path, steps_run: Callable[[int], None] | None = None
                ) -> dict[int, RankResult]:
         from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -277,7 +277,7 @@ class TorchBackend:
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"dflop-{uuid.uuid4().hex[:8]}",
                               rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                               monitor_interval=0.1, start_method="spawn")
-        with _quiet_launcher(), _own_signal_handlers(), telling_steps(progress, world, ran):
+        with _quiet_launcher(), _own_signal_handlers(), telling_steps(progress, world, steps_run):
             try:
                 return elastic_launch(config, rank_entry)(payload, self.keep_parameters)
             except ChildFailedError as exc:
@@ -470,7 +470,12 @@ def _failure_message(exc: Any, progress: Path) -> tuple[str, str]:
     if " failed at step " in message:  # an ActionFailed: it names rank, step and node itself
         return message.split(": ", 1)[1] if message.startswith("ActionFailed") else message, details
     where = read_progress(progress, rank)
-    at = f" at step {where[0]}, node {where[1]}" if where else ""
+    at = ""
+    if where is not None:
+        step, label = where
+        warming = label.startswith(WARMUP)
+        at = (f" in the warm-up (step {step}'s graph), " if warming else f" at step {step}, ") + \
+            f"node {label.removeprefix(WARMUP).strip() if warming else label}"
     line = (f"rank {rank} died{at} (exit code {failure.exitcode}); every other rank was stopped"
             + (f": {message.splitlines()[0]}" if message and "To enable traceback" not in message else ""))
     return line, details

@@ -56,6 +56,13 @@ def _owned_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     return [p for group in inner.param_groups for p in group["params"]]
 
 
+def stateless_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The parameters this rank's optimizer updates (ZeRO: its partition) whose state it has not made
+    yet: AdamW makes it at its first step (a resumed run's is loaded before)."""
+    state = _owned_state(optimizer)
+    return [p for p in _owned_params(optimizer) if not state.get(p)]
+
+
 def _materialise(optimizer: torch.optim.Optimizer) -> None:
     """AdamW creates its state at its first step; a resumed run needs it before, to load into."""
     state = _owned_state(optimizer)

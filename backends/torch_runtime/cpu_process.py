@@ -65,7 +65,8 @@ def grow_heap(factor: float) -> int:
     pages touched (faulted in) and left free; the bytes added (0 where glibc's heap cannot be read).
     Why: a heap that has run one step still grows, step after step, with the holes between the
     blocks that outlive a step, and every page it grows by faults in mid-step; a long run's heap has
-    long grown past that."""
+    long grown past that. The pages stay the process's for the rest of it. Where the memory is not
+    there, nothing is grown: the steps then fault their pages in as they come."""
     before = heap_bytes()
     if before is None:
         return 0
@@ -73,7 +74,10 @@ def grow_heap(factor: float) -> int:
     block = int(arena * factor) - arena + top_free
     if block <= top_free:
         return 0
-    torch.empty(block, dtype=torch.uint8).fill_(0)  # freed at once: it merges into the heap's top, kept
+    try:
+        torch.empty(block, dtype=torch.uint8).fill_(0)  # freed at once, kept as a free chunk to carve from
+    except (RuntimeError, MemoryError):
+        return 0
     return heap_bytes()[0] - arena
 
 

@@ -21,6 +21,8 @@ from typing import Callable, Iterator
 from dflop.specs.progress import periodically
 
 SIZE = 128
+WARMUP = "warm-up"
+"""What a rank's label starts with while it warms up (on a later step's graph: its step is none run)."""
 
 
 class ProgressFile:
@@ -67,7 +69,7 @@ def steps_done(folder: Path, ranks: int) -> int | None:
     behind is in (steps are numbered from 0); None while one has written nothing yet or warms up
     (its warm-up runs a later step's graph)."""
     where = [read_progress(folder, rank) for rank in range(ranks)]
-    if any(w is None or w[1].startswith("warm-up") for w in where):
+    if any(w is None or w[1].startswith(WARMUP) for w in where):
         return None
     return min(step for step, _ in where)
 

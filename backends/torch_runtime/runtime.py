@@ -39,7 +39,7 @@ from dflop.workload.pixels import MediaError
 
 from dflop.backends.torch_runtime.model import Sequence, pack_sequence, sample_inputs
 from dflop.backends.torch_runtime.parallel import RankLayout, all_reduce_grads
-from dflop.backends.torch_runtime.progress import lost_ranks
+from dflop.backends.torch_runtime.progress import WARMUP, lost_ranks
 from dflop.backends.torch_runtime.shapes import StepData
 
 
@@ -193,8 +193,7 @@ class RankStep:
         handlers = self.handlers()
         for n in self.graph.order[self.w.graph_worker]:
             node = self.graph.nodes[n]
-            if self.progress is not None:
-                self.progress.write(self.step, ("warm-up " if self.warmup else "") + self.graph.labels[n])
+            self.at(self.graph.labels[n])
             if self.fail[0] == self.graph.labels[n]:
                 self.inject_failure()
             try:
@@ -207,6 +206,12 @@ class RankStep:
                 raise self.failure(n, exc) from exc
         for work in self.sends:
             work.wait()
+
+    def at(self, label: str) -> None:
+        """Write where this rank is (``label``: a node, or what it does between two steps) to its
+        progress file, if it keeps one: read to name where it stopped if it dies."""
+        if self.progress is not None:
+            self.progress.write(self.step, f"{WARMUP} {label}" if self.warmup else label)
 
     def inject_failure(self) -> None:
         if self.fail[1] == "exit":

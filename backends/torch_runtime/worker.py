@@ -237,20 +237,20 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
 
     def warm_up(step: int) -> tuple[int, float]:
         """Run step ``step``'s graph once, untimed, on synthetic inputs of its shapes, beside as much
-        memory as AdamW's two moments take (the optimizer makes them at its first step), and drop its
-        gradients: the weights and the optimizer stay as they were. The memory a fresh process
+        memory as the AdamW moments this rank's optimizer has yet to make take (it makes them at its
+        first step), and drop its gradients: the weights and the optimizer stay as they were. The memory a fresh process
         faults in over its first steps, its caches and its groups' first collectives, which a long
         run pays once and a profile's warm-up excludes, are then not in the timed steps."""
         began = time.perf_counter()
         run = prepared(step, synthetic=True)
         run.warmup = True
-        moments = [torch.zeros_like(local(p)) for p in worker.parameters() for _ in range(2)]
+        moments = [torch.zeros_like(local(p)) for p in checkpoint.stateless_params(optimizer) for _ in range(2)]
         run.run()
         del moments
         optimizer.zero_grad(set_to_none=True)
         if kept:
             grow_heap(HEAP_HEADROOM)
-        with _between_steps(run, "warm-up barrier"):
+        with _between_steps(run, "barrier"):
             dist.barrier()
         return step, time.perf_counter() - began
 
@@ -355,8 +355,7 @@ def _decoded(media: dict[int, Media] | None, steps: range, workers: int,
 def _between_steps(run: RankStep, what: str) -> Iterator[None]:
     """A collective outside the step graph fails as a node does: one line naming the rank, the step
     and the ranks lost (a peer dies between two steps as often as inside one)."""
-    if run.progress is not None:
-        run.progress.write(run.step, what)
+    run.at(what)
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - named, then re-raised for the launcher

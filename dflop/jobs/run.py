@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -153,13 +153,12 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
         for arm in arms:
             if arm.measured is not None:  # finished before this resume
                 continue
-            observe = ran = None
+            observe = steps_run = None
             if running is not None:
-                running(arm.name, 0, len(arm.steps))
-                observe = partial(_observed, running, arm.name, len(arm.steps))
-                ran = partial(_ran, running, arm.name, len(arm.steps))
+                steps_run = _count(running, arm.name, len(arm.steps))
+                observe = partial(_observed, steps_run)
             result = backend.run(CostedPlan(arm.plan, system), arm.steps, observe=observe,
-                                 meta={"name": arm.name, "solver": arm.solver}, ran=ran)
+                                 meta={"name": arm.name, "solver": arm.solver}, steps_run=steps_run)
             if backend.is_reporting_rank():
                 arm.measured = _measured(result, system.training.global_batch, arm.name, folder)
                 if calibration is not None:
@@ -173,12 +172,22 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
         return data
 
 
-def _observed(progress: Progress, name: str, steps: int, observed: ObservedStep) -> None:
-    progress(name, observed.step.index + 1, steps)
+def _observed(tell: Callable[[int], None], observed: ObservedStep) -> None:
+    tell(observed.step.index + 1)
 
 
-def _ran(progress: Progress, name: str, steps: int, done: int) -> None:
-    progress(name, done, steps)
+def _count(progress: Progress, name: str, steps: int) -> Callable[[int], None]:
+    """Arm ``name``'s progress, told the steps run so far: from 0, and never back (a backend that
+    counts the steps while they run hands them back, observed one by one, when they have all run)."""
+    most = [0]
+    progress(name, 0, steps)
+
+    def tell(done: int) -> None:
+        if done > most[0]:
+            most[0] = done
+            progress(name, done, steps)
+
+    return tell
 
 
 def _say_machine(backend: Backend, system: System, calibrate: bool, log: Log) -> None:
