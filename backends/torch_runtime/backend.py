@@ -197,9 +197,12 @@ class TorchBackend:
         """The run's device checked, before any work; under torchrun the process group joined (and
         this rank tied to its agent); the ranks run as ``config.execution`` says (resuming, each arm
         from its own newest checkpoint; with ``init_from``, a step folder the job has checked, each
-        arm without one from that); a signal ends the run as an interrupt saying how to go on."""
+        arm without one from that); a signal ends the run as an interrupt saying how to go on. The
+        process group it joined it leaves at the end, refused or done: a rank whose group's threads
+        are still running as the interpreter exits can abort."""
         if problem := device_problem(config.execution.device):
             raise DflopError(f"{where}: execution.device: {problem}")
+        joined = False
         if under_torchrun():
             import torch.distributed as dist
 
@@ -207,6 +210,7 @@ class TorchBackend:
             if not dist.is_initialized():
                 dist.init_process_group("gloo" if config.execution.device is Device.CPU else "nccl",
                                         timeout=datetime.timedelta(seconds=config.execution.timeout_s))
+                joined = True
         spec = config.execution
         before = self.options, self.folder, self.planned, self.model, self.dataset, self.encoded
         self.options = replace(self.options, **{f.name: getattr(spec, f.name) for f in fields(spec)},
@@ -219,6 +223,8 @@ class TorchBackend:
                 yield
         finally:
             self.options, self.folder, self.planned, self.model, self.dataset, self.encoded = before
+            if joined:
+                dist.destroy_process_group()
 
     @property
     def calibrates(self) -> bool:
