@@ -212,3 +212,28 @@ def test_a_model_the_profiler_cannot_build_leaves_the_cost_model_as_recorded_and
     assert calibrate_cost(cost, lines.append, {"tiny-vit": 8.0, "my-llm": 512.0}) == (cost, None)
     assert lines == ["dflop: cannot calibrate: my-llm is not a model the profiler builds (a preset); predictions use "
                      "the profile as recorded"]
+
+
+def test_a_run_calibrates_an_llm_s_blocks_at_its_microbatch_size_and_its_samples_length():
+    """Attention's share of a block grows with the samples' length, and on another CPU it moves
+    apart from the GEMMs': the block measured is the grid's nearest to the run's microbatch (LLM
+    tokens) and to the length of the sample its median token is in, not the grid's middle."""
+    from dflop.backends.base import ScheduledBatch
+    from dflop.jobs.calibrate import sample_lengths
+    from dflop.profile.drift import probe_grid
+    from dflop.specs import ModulePlan, Plan
+    from dflop.workload.sample import SampleTable
+
+    llm = [r for r in _shipped_tiny() if r["model"] == "tiny-llm" and r["tp"] == 1]
+    seqs = sorted({r["shape"]["seq"] for r in llm if r["phase"] == "block" and r["shape"]["tokens"] == 4096})
+    assert len(seqs) >= 3
+    assert probe_grid(Module.LLM, llm, near=4000, points=1).seq == (seqs[(len(seqs) - 1) // 2],)
+    assert probe_grid(Module.LLM, llm, near=4000, points=1, length=seqs[-1] - 1).seq == (seqs[-1],)
+    assert probe_grid(Module.LLM, llm, near=4000, points=1, length=1).seq == (seqs[0],)
+    assert probe_grid(Module.LLM, llm, near=4000, points=1, length=1).tokens == (4096,)
+    # 30 texts of 40 tokens and one video of 1500: most samples are short, most tokens are the video's
+    batch = SampleTable.build([f"s{i}" for i in range(31)], [0] * 30 + [3], [0] * 30 + [4], [40] * 30 + [1436],
+                              [0] * 30 + [64])
+    plan = Plan(encoder=ModulePlan(), llm=ModulePlan(dp=2), placement="colocated", microbatches=1)
+    cost = _cost(_shipped_tiny())
+    assert sample_lengths(cost, [(plan, [ScheduledBatch(batch, np.arange(31) % 2)])]) == {"tiny-llm": 1500.0}

@@ -61,12 +61,12 @@ def machine_note(cost: CostModel, device: str | None = None) -> str:
 
 
 def calibrate_cost(cost: CostModel, log: Callable[[str], None], sizes: dict[str, float | None] | None = None,
-                   tps: dict[str, tuple[int, ...]] | None = None, progress: Progress | None = None
-                   ) -> tuple[CostModel, Calibration | None]:
+                   tps: dict[str, tuple[int, ...]] | None = None, progress: Progress | None = None,
+                   lengths: dict[str, float | None] | None = None) -> tuple[CostModel, Calibration | None]:
     """(``cost`` scaled to this machine, what the check found); ``cost`` and None, with a line
-    saying why, where it cannot be calibrated here. ``sizes`` and ``tps``: per model, the
-    microbatch size and TP degrees to measure at (default: the middle of the profile's grid, every
-    TP degree)."""
+    saying why, where it cannot be calibrated here. ``sizes``, ``tps`` and ``lengths``: per model,
+    the microbatch size, the TP degrees and (an LLM) the sample length to measure at (default: the
+    middle of the profile's grid, every TP degree)."""
     if not isinstance(cost, ProfiledCostModel):
         log("dflop: no calibration: the analytical cost model holds no measured shapes to measure again")
         return cost, None
@@ -83,7 +83,7 @@ def calibrate_cost(cost: CostModel, log: Callable[[str], None], sizes: dict[str,
         return cost, None
     try:
         found = measure(cost.records, sizes or dict.fromkeys(names), device=device, tps=tps, llm=cost.model.llm.name,
-                        progress=progress)
+                        progress=progress, lengths=lengths)
     except DflopError as exc:  # a model the profiler cannot build: the job goes on, said uncalibrated
         log(f"dflop: cannot calibrate: {exc}; predictions use the profile as recorded")
         return cost, None
@@ -96,9 +96,21 @@ def calibrate_cost(cost: CostModel, log: Callable[[str], None], sizes: dict[str,
 def microbatch_size(steps: list[ScheduledBatch], field: str) -> float:
     """The size of the microbatch the steps spend the median unit of ``field`` in (``llm_tokens`` or
     ``tiles``): where a check of the profile should measure it again (0 when the steps hold none)."""
-    sizes = np.concatenate([np.bincount(s.assignment, weights=getattr(s.batch, field)) for s in steps])
+    return weighted_median(np.concatenate([np.bincount(s.assignment, weights=getattr(s.batch, field))
+                                           for s in steps]))
+
+
+def weighted_median(sizes: np.ndarray) -> float:
+    """The size the median unit falls in, each size counted as many times as it is large (0: none)."""
     sizes = np.sort(sizes[sizes > 0])
     return float(sizes[np.searchsorted(np.cumsum(sizes), sizes.sum() / 2)]) if len(sizes) else 0.0
+
+
+def sample_lengths(cost: ProfiledCostModel, arms: list[tuple[Plan, list[ScheduledBatch]]]) -> dict[str, float | None]:
+    """Per LLM of ``cost``: the length of the sample the arms' steps spend their median LLM token in,
+    the per-sample length its blocks are measured at (None where they hold none)."""
+    return {cost.model.llm.name: weighted_median(np.concatenate([step.batch.llm_tokens for _, arm in arms
+                                                                 for step in arm]).astype(float)) or None}
 
 
 def microbatch_sizes(cost: ProfiledCostModel, arms: list[tuple[Plan, list[ScheduledBatch]]]

@@ -103,17 +103,18 @@ def _around(values: set[int], points: int = 1, near: float | None = None) -> tup
 
 
 def probe_grid(kind: Module, records: list[dict[str, Any]], near: float | None = None,
-               points: int = POINTS) -> Grid:
+               points: int = POINTS, length: float | None = None) -> Grid:
     """``points`` sizes of the grid the records were measured on (holdouts aside), centred on the one
     nearest ``near`` (LLM tokens or encoder tiles per microbatch; default the middle of the grid), every
-    part at each; LLM blocks packed at the middle per-sample length measured at the centre size."""
+    part at each; LLM blocks packed at the per-sample length measured at the centre size nearest
+    ``length`` (default the middle one): attention's share of a block grows with it."""
     blocks = [r["shape"] for r in records if r["phase"] == "block" and not r.get("holdout")]
     if not blocks:
         raise DflopError(f"profile of {records[0]['model']}: no block records to measure again")
     if kind == Module.LLM:
         tokens = _around({s["tokens"] for s in blocks}, points, near)
         centre = tokens[(len(tokens) - 1) // 2]
-        seq = _around({s["seq"] for s in blocks if s["tokens"] == centre})
+        seq = _around({s["seq"] for s in blocks if s["tokens"] == centre}, 1, length)
         return Grid(tokens=tokens, seq=seq, tiles=(), holdout_llm=(), holdout_tiles=())
     return Grid(tokens=(), seq=(), tiles=_around({s["tiles"] for s in blocks}, points, near), holdout_llm=(),
                 holdout_tiles=())
@@ -122,11 +123,11 @@ def probe_grid(kind: Module, records: list[dict[str, Any]], near: float | None =
 def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cpu", llm: str | None = None,
                   tokens: float | None = None, tiles: float | None = None, repeats: int | None = None,
                   progress: Progress | None = None, tps: tuple[int, ...] | None = None,
-                  points: int = POINTS) -> Drift:
+                  points: int = POINTS, length: float | None = None) -> Drift:
     """Measure again, the way they were measured (dtype, processes, threads), a few of ``records``'
-    shapes of model ``name`` on this machine's ``device``, around microbatches of ``tokens`` (an LLM)
-    or ``tiles`` (an encoder) (see ``probe_grid``), at every stored TP degree (or those of ``tps``
-    that are stored, if any are)."""
+    shapes of model ``name`` on this machine's ``device``, around microbatches of ``tokens`` (an LLM,
+    its samples about ``length`` tokens long) or ``tiles`` (an encoder) (see ``probe_grid``), at every
+    stored TP degree (or those of ``tps`` that are stored, if any are)."""
     kind, spec = resolve(name)
     where = device_name(device)
     mine = [r for r in records if r["model"] == spec.name and r["device"] == where]
@@ -138,7 +139,8 @@ def measure_drift(records: list[dict[str, Any]], name: str, *, device: str = "cp
     mine = [r for r in mine if _measured_by(r) == (processes, threads)]
     stored = tuple(sorted({r["tp"] for r in mine if processes == 1 or processes % r["tp"] == 0}))
     tps = tuple(tp for tp in stored if tp in (tps or ())) or stored
-    grid = probe_grid(kind, [r for r in mine if r["tp"] == tps[0]], tokens if kind == Module.LLM else tiles, points)
+    grid = probe_grid(kind, [r for r in mine if r["tp"] == tps[0]], tokens if kind == Module.LLM else tiles, points,
+                      length)
     stored = {record_key(r): r for r in mine}
     with tempfile.TemporaryDirectory(prefix="dflop-drift-") as tmp:
         profile_model(spec.name, tmp, device=device, dtype=dtype, tps=tps, grid=grid, repeats=repeats,
@@ -166,18 +168,20 @@ CALIBRATION_REPEATS = 3
 
 def calibrate(records: list[dict[str, Any]], sizes: dict[str, float | None], *, device: str = "cpu",
               tps: dict[str, tuple[int, ...]] | None = None, llm: str | None = None,
-              progress: Progress | None = None) -> Calibration:
+              progress: Progress | None = None, lengths: dict[str, float | None] | None = None) -> Calibration:
     """The quick check a run makes before its first step (``dflop.cost.calibration``): per model of
     ``sizes`` (its name: LLM tokens or encoder tiles per microbatch, None for the middle of the grid),
-    ``CALIBRATION_POINTS`` sizes of every part at the TP degrees of ``tps`` (the plan's), each
-    ``CALIBRATION_REPEATS`` times, measured as the profile was."""
+    ``CALIBRATION_POINTS`` sizes of every part at the TP degrees of ``tps`` (the plan's), an LLM's
+    blocks at the per-sample length nearest its ``lengths``, each ``CALIBRATION_REPEATS`` times,
+    measured as the profile was."""
     start = time.perf_counter()
     shapes = []
     for name, size in sizes.items():
         kind, _ = resolve(name)
         d = measure_drift(records, name, device=device, llm=llm, tokens=size if kind == Module.LLM else None,
                           tiles=size if kind == Module.ENCODER else None, repeats=CALIBRATION_REPEATS,
-                          progress=progress, tps=(tps or {}).get(name), points=CALIBRATION_POINTS)
+                          progress=progress, tps=(tps or {}).get(name), points=CALIBRATION_POINTS,
+                          length=(lengths or {}).get(name))
         shapes += [{"model": d.model, "module": s.record["module"], "tp": s.record["tp"], "part": s.record["phase"],
                     "shape": s.record["shape"], "then_ms": s.then_ms, "now_ms": s.now_ms} for s in d.shapes]
     return Calibration.of(shapes, time.perf_counter() - start)
