@@ -22,7 +22,8 @@ from dflop.specs.progress import periodically
 
 SIZE = 128
 WARMUP = "warm-up"
-"""What a rank's label starts with while it warms up (on a later step's graph: its step is none run)."""
+"""What a rank's label starts with while it warms up (on a later step's graph: its step number then
+says nothing of the steps it has run)."""
 
 
 class ProgressFile:

@@ -175,7 +175,6 @@ def _llm_end_groups(template: Template):  # noqa: ANN202 - (Group, Group)
 def _sync_tied_embedding(worker: RankState, groups: Groups, template: Template, gw) -> None:  # noqa: ANN001
     """The embedding (first LLM stage) and the head (last LLM stage) are one matrix: their gradients
     are added, on the rank when it holds both (V placement), across ranks otherwise."""
-
     tied = []
     for s, module in worker.stages.items():
         if template.module_stage(s)[0] is Module.LLM:
@@ -238,9 +237,10 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     def warm_up(step: int) -> tuple[int, float]:
         """Run step ``step``'s graph once, untimed, on synthetic inputs of its shapes, beside as much
         memory as the AdamW moments this rank's optimizer has yet to make take (it makes them at its
-        first step), and drop its gradients: the weights and the optimizer stay as they were. The memory a fresh process
-        faults in over its first steps, its caches and its groups' first collectives, which a long
-        run pays once and a profile's warm-up excludes, are then not in the timed steps."""
+        first step), and drop its gradients: the weights and the optimizer stay as they were. The
+        memory a fresh process faults in over its first steps, its caches and its groups' first
+        collectives, which a long run pays once and a profile's warm-up excludes, are then not in
+        the timed steps."""
         began = time.perf_counter()
         run = prepared(step, synthetic=True)
         run.warmup = True
