@@ -56,7 +56,11 @@ def test_lock_step_processes_measure_alongside_and_a_dead_twin_stops_the_run(tmp
 
     sizes = [sum(p.numel() for p in m.parameters()) for m in (VisionBlock(spec), PatchEmbed(spec), Projector(TINY))]
     assert sorted(units) == sorted(sizes)
-    assert all(r["shape"]["shards"] == 2 and r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in units.values())
+    # what FSDP2 adds is a difference of two timings, never below 0; a small unit's can be lost in a
+    # 1-repeat measurement's noise (measured 0 once on a busy machine), the block's is its weights' all-gather
+    assert all(r["shape"]["shards"] == 2 and r["fwd_ms"] >= 0 and r["bwd_ms"] >= 0 for r in units.values())
+    block = units[sizes[0]]
+    assert block["fwd_ms"] + block["bwd_ms"] > 0
     assert holdout_error(records)["shapes"] == holdout_error([r for r in records if r["phase"] != "fsdp_unit"])["shapes"]
     assert_one_line_error(dflop("profile", "model", "--model", "tiny-vit", "--fsdp", "--out", tmp_path / "alone"),
                           "--fsdp: FSDP2's collectives are measured in a real data-parallel group")
