@@ -43,7 +43,7 @@ def main() -> None:
     from dflop.backends.sim import SimBackend
     from dflop.backends.torch_runtime.backend import TorchBackend, cpu_cores, shared_cores
     from dflop.backends.torch_runtime.worker import TorchOptions
-    from dflop.jobs.calibrate import calibrate_cost, machine_note, microbatch_sizes, sample_lengths
+    from dflop.jobs.calibrate import calibrate_for, machine_note
     from dflop.schedule.step import bin_batch, plan_costs
     from dflop.specs import ClusterSpec
     from dflop.specs.execution import Device
@@ -69,8 +69,7 @@ def main() -> None:
                 plan.gpus, Device.CPU)).run(CostedPlan(plan, wide), steps).steps[1:]]))
             rounds = []
             for _ in range(args.rounds):
-                scaled, _ = calibrate_cost(cost, print, *microbatch_sizes(cost, [(plan, steps)]),
-                                           lengths=sample_lengths(cost, [(plan, steps)]))
+                scaled, _ = calibrate_for(cost, [(plan, steps)], print)
                 result = TorchBackend(options=TorchOptions(lr=1e-4)).run(CostedPlan(plan, replace(wide, cost=scaled)),
                                                                          steps)
                 rounds.append((float(np.median([s["graph_s"] for s in result.steps[1:]])),

@@ -124,6 +124,17 @@ def microbatch_sizes(cost: ProfiledCostModel, arms: list[tuple[Plan, list[Schedu
             {encoder: tuple(sorted({p.encoder.tp for p, _ in arms})), llm: tuple(sorted({p.llm.tp for p, _ in arms}))})
 
 
+def calibrate_for(cost: CostModel, arms: list[tuple[Plan, list[ScheduledBatch]]], log: Callable[[str], None],
+                  progress: Progress | None = None) -> tuple[CostModel, Calibration | None]:
+    """``calibrate_cost`` around what ``arms`` (plan, steps) run: their microbatch sizes and TP
+    degrees (``microbatch_sizes``) and their LLM's sample length (``sample_lengths``); ``cost`` and
+    None where it is not a profile."""
+    if not isinstance(cost, ProfiledCostModel):
+        return cost, None
+    sizes, tps = microbatch_sizes(cost, arms)
+    return calibrate_cost(cost, log, sizes, tps, progress, sample_lengths(cost, arms))
+
+
 def check_machine(s: Setup, calibrate: bool, log: Callable[[str], None]) -> Setup:
     """A planning job's (`dflop optimize`, `dflop simulate`) check of its cost model: a line when its
     profile was measured elsewhere, pointing to what measures it here; with ``calibrate``, ``s``

@@ -207,14 +207,9 @@ def calibrate_arms(system: System, arms: list[Arm], log: Log, progress: Progress
     microbatch sizes to measure at come from the plans, and a profile rescaled part by part from a
     few shapes can order plans worse than the profile itself (:mod:`dflop.profile.drift`), while the
     plan chosen is the one to compare against its baseline; only predictions are scaled."""
-    from dflop.cost.profiled import ProfiledCostModel
-    from dflop.jobs.calibrate import calibrate_cost, microbatch_sizes, sample_lengths
+    from dflop.jobs.calibrate import calibrate_for
 
-    if not isinstance(system.cost, ProfiledCostModel):
-        return system, None
-    ran = [(arm.plan, arm.steps) for arm in arms]
-    sizes, tps = microbatch_sizes(system.cost, ran)
-    cost, calibration = calibrate_cost(system.cost, log, sizes, tps, progress, sample_lengths(system.cost, ran))
+    cost, calibration = calibrate_for(system.cost, [(arm.plan, arm.steps) for arm in arms], log, progress)
     return replace(system, cost=cost), calibration
 
 
