@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Any
 
 import torch
 
@@ -30,14 +31,18 @@ NEVER_TRIM = 2**31 - 1
 """The largest threshold mallopt takes (an int): the heap's free top is never given back."""
 
 
+def _libc(name: str) -> Any:
+    """The C library's function ``name``; None where there is no such library or function (not glibc)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Allocate from the heap only and never trim it, so freed blocks are reused, not faulted in again.
     False where the C library has no ``mallopt`` (not glibc): the process then runs as it would."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
-    mallopt = getattr(libc, "mallopt", None)
+    mallopt = _libc("mallopt")
     if mallopt is None:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
@@ -51,9 +56,8 @@ class _MallInfo2(ctypes.Structure):
 
 def heap_bytes() -> tuple[int, int] | None:
     """(bytes of the heap, of them free at its top); None where the C library has no ``mallinfo2``."""
-    try:
-        mallinfo2 = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    mallinfo2 = _libc("mallinfo2")
+    if mallinfo2 is None:
         return None
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
