@@ -28,7 +28,7 @@ def measured_bins(times: ObservedStep) -> dict[tuple[Module, int, int], float]:
     out: dict[tuple[Module, int, int], float] = {}
     for k, node in enumerate(graph.nodes):
         w = graph.workers[node.worker]
-        if node.kind.is_compute and last.get(w.module) == w.group:
+        if node.kind.is_compute and not node.kind.is_encoder_phase and last.get(w.module) == w.group:
             key = (w.module, w.replica, node.microbatch)
             out[key] = out.get(key, 0.0) + float(times.end[k] - times.start[k]) / 1e9
     return out

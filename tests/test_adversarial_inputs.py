@@ -250,7 +250,7 @@ APART = {"encoder": {"dp": 1}, "llm": {"dp": 1}, "placement": "disaggregated", "
     (ONE_STAGE, "GPipe", "one pipeline rank runs GPipe as plain gradient accumulation"),
     (TWO_STAGES, "DualPipeV", "DualPipeV needs at least as many microbatches as stages"),
     (TWO_STAGES, "Interleaved1F1B", "Interleaved1F1B with one virtual stage is not interleaved"),
-    (APART, "ZBVZeroBubble", "2 stages per rank (ZBVZeroBubble) need colocated placement"),
+    (APART, "ZBVZeroBubble", "2 stages per rank (ZBVZeroBubble) need colocated or heterogeneous placement"),
 ])
 def test_a_schedule_override_that_does_not_fit_the_plan_names_the_option(tmp_path, plan, schedule, message):
     config = tmp_path / "tiny.yaml"

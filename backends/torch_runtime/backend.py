@@ -248,8 +248,11 @@ class TorchBackend:
 
     def prepare(self, plans: dict[str, Plan], steps: int, log: Callable[[str], None]) -> None:
         """Resuming, every arm's checkpoint checked before the first arm trains; otherwise the
-        checkpoints an earlier run left in the folder removed. More CPU ranks than cores: a warning."""
+        checkpoints an earlier run left in the folder removed. More CPU ranks than cores: a warning.
+        A plan the backend cannot run is refused here, before the calibration."""
         assert self.folder is not None, "prepare() runs inside session()"
+        for plan in plans.values():
+            refuse_unsupported(plan, self.options)
         self.planned = True
         saved = self.folder / "checkpoints"
         if self.options.resume:
@@ -398,6 +401,9 @@ def refuse_unsupported(plan: Plan, options: TorchOptions) -> None:
     gradients wider than the parameters; the backend keeps gradients in the parameters' dtype,
     which in float32 and float64 runs is already that wide (so there the field changes nothing),
     but not in 16-bit ones."""
+    if plan.heterogeneous:
+        raise DflopError("plan field placement: the torch backend does not run a heterogeneous encoder phase "
+                         "yet (the simulator does: dflop simulate --plan); use colocated or disaggregated")
     if plan.fp32_grads and options.dtype in (DType.BFLOAT16, DType.FLOAT16):
         raise DflopError(f"plan field fp32_grads: the torch backend keeps gradients in the parameters' dtype "
                          f"({options.dtype}), not in fp32 buffers; run with execution dtype float32 or float64, or "

@@ -219,6 +219,12 @@ def _megatron_recompute(s: Settings) -> list[str]:
     return ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
 
 
+def _heterogeneous_gap(plan: Plan) -> str:
+    return (f"heterogeneous placement: the encoder on every GPU with its own tp {plan.encoder.tp} and dp "
+            f"{plan.encoder.dp}, an all-to-all to the LLM's first stage: no flag of the target says it (Megatron "
+            "runs it through MIMO's colocated module parallelism, in code)")
+
+
 def _megatron_encoder(s: Settings) -> list[str]:
     """A disaggregated encoder is a gap: its flags left Megatron-LM in core v0.14, and a flag the
     release does not know stops the launch."""
@@ -226,6 +232,8 @@ def _megatron_encoder(s: Settings) -> list[str]:
     if plan.colocated:
         return []
     enc, llm = plan.encoder, plan.llm
+    if plan.heterogeneous:
+        return [_heterogeneous_gap(plan)]
     return [f"disaggregated placement: the encoder's own {enc.gpus} GPUs ({enc.describe()}): Megatron-LM core "
             f"v0.14 and later have no encoder parallelism flags and run the encoder in the first LLM pipeline "
             f"stage, with llm tp {llm.tp} and dp {llm.dp} (core v0.13 and earlier took "
@@ -385,6 +393,8 @@ def torchtitan(s: Settings, version: TitanVersion = TitanVersion.V0_3) -> Export
     if plan.colocated:
         gaps.append("the vision encoder: torchtitan's parallelism covers the language model; dflop runs the "
                     f"encoder inside the first LLM stage with tp {plan.llm.tp}")
+    elif plan.heterogeneous:
+        gaps.append(_heterogeneous_gap(plan))
     else:
         gaps.append(f"disaggregated placement: the encoder's own {plan.encoder.gpus} GPUs "
                     f"({plan.encoder.describe()}) feeding the LLM's; torchtitan runs one model on one mesh")

@@ -45,6 +45,16 @@ class Kind(str, Enum):
     """Free the gathered parameters after the stage's last use in a step."""
     OVERLAP_F_B = "OVERLAP_F_B"
     """A forward and a backward of two microbatches run together (its ``sub_actions``)."""
+    ENCODE = "ENCODE"
+    """Heterogeneous placement: the forwards of the step's samples this rank's encoder replicas encode."""
+    ENCODE_B = "ENCODE_B"
+    """Their backwards, once the all-to-all has brought their embeddings' gradients back."""
+    ALL_TO_ALL_F = "ALL_TO_ALL_F"
+    """Heterogeneous placement: every rank's image embeddings to the LLM stage-0 ranks that need them."""
+    ALL_TO_ALL_B = "ALL_TO_ALL_B"
+    """Their gradients back to the ranks that encoded them."""
+    REDUCE_ENCODER_GRAD = "REDUCE_ENCODER_GRAD"
+    """Heterogeneous placement: the encoder's gradient reduction over its own data-parallel replicas."""
 
     @property
     def is_compute(self) -> bool:
@@ -60,10 +70,23 @@ class Kind(str, Enum):
 
     @property
     def is_collective(self) -> bool:
-        return self in (Kind.REDUCE_GRAD, Kind.UNSHARD, Kind.RESHARD)
+        return self in _COLLECTIVES
+
+    @property
+    def precedes_its_op(self) -> bool:
+        """A collective that runs before the op it is placed at (and is one of its inputs); the others
+        follow their op, anchored on it."""
+        return self in (Kind.UNSHARD, Kind.ALL_TO_ALL_F, Kind.ALL_TO_ALL_B)
+
+    @property
+    def is_encoder_phase(self) -> bool:
+        """A heterogeneous encoder phase's compute (one op per rank and step, outside the pipeline program)."""
+        return self in (Kind.ENCODE, Kind.ENCODE_B)
 
 
-_COMPUTE = frozenset((Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP_F_B))
+_COMPUTE = frozenset((Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP_F_B, Kind.ENCODE, Kind.ENCODE_B))
+_COLLECTIVES = frozenset((Kind.REDUCE_GRAD, Kind.UNSHARD, Kind.RESHARD, Kind.ALL_TO_ALL_F, Kind.ALL_TO_ALL_B,
+                          Kind.REDUCE_ENCODER_GRAD))
 _SENDS = frozenset((Kind.SEND_F, Kind.SEND_B, Kind.BRIDGE_SEND_F, Kind.BRIDGE_SEND_B))
 _RECVS = frozenset((Kind.RECV_F, Kind.RECV_B, Kind.BRIDGE_RECV_F, Kind.BRIDGE_RECV_B))
 _ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
@@ -89,6 +112,11 @@ class Action:
                              f"({';'.join(str(a) for a in self.sub_actions)})")
 
     @classmethod
+    def encoder_phase(cls, kind: Kind) -> "Action":
+        """A rank's ENCODE or ENCODE_B: all its microbatches at once, so neither stage nor microbatch."""
+        return cls(-1, kind, -1)
+
+    @classmethod
     def overlap(cls, *sub_actions: "Action") -> "Action":
         """torch's ``_Action(-1, OVERLAP_F_B, None, sub_actions)``."""
         return cls(-1, Kind.OVERLAP_F_B, -1, tuple(sub_actions))
@@ -101,6 +129,8 @@ class Action:
     def __str__(self) -> str:
         if self.sub_actions:
             return f"({';'.join(str(a) for a in self.sub_actions)}){self.kind.value}"
+        if self.kind.is_encoder_phase:
+            return self.kind.value
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 
     @classmethod

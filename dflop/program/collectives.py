@@ -15,6 +15,13 @@ replicas; how depends on the plan's ZeRO stage (what is sharded):
   inside the op). A collective over the replicas, so every forward and
   backward starts on all replicas together: FSDP's per-layer synchronisation.
 
+A heterogeneous encoder adds three collectives of the whole job, one member per
+rank (``group`` -1, ``ops`` one per pipeline rank): ``ALL_TO_ALL_F`` before each
+rank's first LLM op (the embeddings reach stage 0; every rank takes part, as in
+one ``all_to_all_single``), ``ALL_TO_ALL_B`` before each rank's ``ENCODE_B``
+(their gradients back), and with encoder replicas ``REDUCE_ENCODER_GRAD`` after
+it (the encoder's gradients over its own data-parallel group).
+
 The lowering places these nodes and the costing prices them from the same list
 (``group_collectives``), so nodes and costs line up by index.
 """
@@ -36,6 +43,12 @@ class CollectiveSpec:
     """Template op: the compute a REDUCE_GRAD overlaps (its anchor), or the one an UNSHARD feeds."""
     last: bool
     """The group's last reduction of the step (it carries ZeRO-1/2's weight all-gather)."""
+    ops: tuple[int, ...] = ()
+    """A collective of the whole job (``group`` -1): its op on every group, in group order."""
+
+    def op_of(self, group: int) -> int:
+        """Its op on ``group``."""
+        return self.ops[group] if self.group < 0 else self.op
 
 
 def group_collectives(template: Template) -> tuple[CollectiveSpec, ...]:
@@ -45,7 +58,7 @@ def group_collectives(template: Template) -> tuple[CollectiveSpec, ...]:
     for g in template.groups:
         if g.replicas < 2:
             continue
-        ops = [op for op in template.ops if op.group == g.index]
+        ops = [template.ops[i] for i in template.llm_ops[g.index]]
         if plan.strategy.reduces_once_per_step:
             out.append(CollectiveSpec(Kind.REDUCE_GRAD, g.index, ops[-1].index, True))
         elif plan.strategy.reduces_every_backward:
@@ -53,4 +66,11 @@ def group_collectives(template: Template) -> tuple[CollectiveSpec, ...]:
             out.extend(CollectiveSpec(Kind.REDUCE_GRAD, g.index, op.index, op is weights[-1]) for op in weights)
         else:
             out.extend(CollectiveSpec(Kind.UNSHARD, g.index, op.index, False) for op in ops)
+    if plan.heterogeneous:
+        firsts = tuple(int(ops[0]) for ops in template.llm_ops)
+        ends = tuple(int(ops[-1]) for ops in template.group_ops)  # each group's ENCODE_B
+        out.append(CollectiveSpec(Kind.ALL_TO_ALL_F, -1, firsts[0], False, firsts))
+        out.append(CollectiveSpec(Kind.ALL_TO_ALL_B, -1, ends[0], False, ends))
+        if plan.encoder.dp > 1:
+            out.append(CollectiveSpec(Kind.REDUCE_ENCODER_GRAD, -1, ends[0], True, ends))
     return tuple(out)

@@ -228,23 +228,25 @@ def place_collectives(linked: Linked) -> StepGraph:
     once = t.plan.strategy.reduces_once_per_step
     for c, spec in enumerate(group_collectives(t)):
         a = t.ops[spec.op].action
-        stage, microbatch = (-1, -1) if spec.kind is Kind.REDUCE_GRAD and spec.last and once \
+        stage, microbatch = (-1, -1) if (spec.kind is Kind.REDUCE_GRAD and spec.last and once) or spec.group < 0 \
             else (a.stage, a.microbatch)
         group = []
         for w in workers:
-            if w.group == spec.group:
-                nodes.append(Node(w.index, spec.kind, stage, microbatch, spec.op, collective=c))
+            if spec.group < 0 or w.group == spec.group:
+                nodes.append(Node(w.index, spec.kind, stage, microbatch, spec.op_of(w.group), collective=c))
                 group.append(len(nodes) - 1)
-                placed.append((w.index, len(nodes) - 1, spec.kind is Kind.UNSHARD))
+                placed.append((w.index, len(nodes) - 1, spec.kind.precedes_its_op))
         members.append(tuple(group))
     anchor = [-1] * len(nodes)
-    unshard: dict[int, int] = {}
+    unshard: dict[int, list[int]] = {}  # compute -> the collectives before it, each one of its inputs
     for w, n, before in placed:
         compute = compute_of[(nodes[n].op, w)]
         ids = order[w]
         at = ids.index(compute)
         if before:
-            unshard[compute] = n
+            unshard.setdefault(compute, []).append(n)
+            while at > 0 and nodes[ids[at - 1]].kind.is_recv and nodes[ids[at - 1]].op == nodes[n].op:
+                at -= 1  # before the receives it feeds too
         else:
             anchor[n] = compute
             at += 1
@@ -252,8 +254,8 @@ def place_collectives(linked: Linked) -> StepGraph:
                 at += 1
         ids.insert(at, n)
     inputs = _data_inputs(t, nodes, linked.send_of, compute_of)
-    for compute, u in unshard.items():
-        inputs[compute].append(u)
+    for compute, before in unshard.items():
+        inputs[compute].extend(before)
     return StepGraph(t, workers, tuple(nodes), tuple(map(tuple, order)), tuple(map(tuple, inputs)),
                      tuple(members), linked.routes, tuple(anchor))
 

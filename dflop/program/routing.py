@@ -11,6 +11,7 @@ who sends what.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,8 +45,8 @@ class BridgeRoutes:
 
 
 def step_routes(plan: Plan, batch: SampleTable, assignment: np.ndarray) -> BridgeRoutes | None:
-    """The bridge routes of one step of ``plan`` (None when the encoder is colocated: no bridge)."""
-    if plan.colocated:
+    """The bridge routes of one step of ``plan`` (None when the encoder shares the LLM's GPUs: no bridge)."""
+    if plan.shares_gpus:
         return None
     assignment = np.asarray(assignment, dtype=np.int64)
     chunk = encoder_replicas(batch.tiles, assignment, plan.microbatches, plan.encoder.dp)
@@ -62,3 +63,19 @@ def bridge_routes(assignment: np.ndarray, encoder_replica: np.ndarray, image_tok
         found = {(int(j), int(r)) for j, r in zip(encoder_replica[mask], assignment[mask] // microbatches)}
         pairs.append(tuple(sorted(found)))
     return BridgeRoutes(tuple(pairs))
+
+
+def encoder_ranks(tiles: np.ndarray, encoder_dp: int) -> np.ndarray:
+    """Encoder replica of every sample of a heterogeneous plan's step, whatever its LLM bin: largest
+    first, each to the replica with the fewest tiles so far (ties: the lowest index), so that the
+    replicas' encoder work is balanced over the whole step. Both runtimes derive it alike."""
+    tiles = np.asarray(tiles, dtype=float)
+    out = np.zeros(len(tiles), dtype=np.int64)
+    heap = [(0.0, j) for j in range(encoder_dp)]
+    for i in np.argsort(-tiles, kind="stable").tolist():
+        if tiles[i] <= 0:
+            break  # the rest have no image: any replica, none encodes anything for them
+        load, j = heap[0]
+        out[i] = j
+        heapq.heapreplace(heap, (load + tiles[i], j))
+    return out

@@ -83,7 +83,7 @@ class Node:
     def label(self) -> str:
         """The name both runtimes give this node in traces (torch's action text where it has one)."""
         k = self.kind
-        if k.is_collective:
+        if k.is_collective or k.is_encoder_phase:
             if self.stage < 0:
                 return k.value
             return f"{self.stage}{k.value}{self.microbatch}"

@@ -11,7 +11,10 @@ pipeline of ``pp_enc + pp_llm`` stages (the encoder's warm-up accounts for the
 LLM stages behind it); the *bridge* from the last encoder stage to the first
 LLM stage connects replicas many-to-many, as the samples of each LLM bin were
 encoded by whichever encoder replicas held them. Colocated placement runs the
-encoder inside LLM stage 0.
+encoder inside LLM stage 0. Heterogeneous placement runs the LLM's program
+as colocated does, with an encoder phase around it on every rank: an ENCODE op
+first and an ENCODE_B op last, the latter after every rank's last LLM op (the
+all-to-all between them is a collective of the whole job, ``collectives.py``).
 
 An overlapped step ``(F;B)OVERLAP_F_B`` becomes its sub-actions, one op each,
 back to back, marked as a pair (``overlap``); how long the pair takes is the
@@ -63,6 +66,9 @@ class TemplateOp:
     """Op on the other side of the encoder-LLM bridge that must finish first (-1 if none)."""
     overlap: int = -1
     """The other op of the same OVERLAP_F_B step (-1 if none)."""
+    after: tuple[int, ...] = ()
+    """Ops of other groups that must have ended on every replica first (an ENCODE_B waits for every
+    rank's last LLM op, through the all-to-all that brings its gradients)."""
 
     @property
     def released_by(self) -> int:
@@ -98,7 +104,13 @@ class Template:
 
     @property
     def colocated(self) -> bool:
+        """No encoder stage in the program (the encoder in LLM stage 0, or in a phase of its own)."""
         return self.encoder_stages == 0
+
+    @cached_property
+    def llm_ops(self) -> tuple[np.ndarray, ...]:
+        """Each group's ops of the pipeline program (not its encoder phase), in program order."""
+        return tuple(ops[[not self.ops[i].action.kind.is_encoder_phase for i in ops]] for ops in self.group_ops)
 
     @cached_property
     def dep_slots(self) -> int:
@@ -122,7 +134,7 @@ class Template:
         waits = [waits_for(op, self.ops) for op in self.ops]
         for i in self.order:
             prev, data, bridge = waits[i]
-            wave[i] = 1 + max((wave[d] for d in (prev, bridge, *data) if d >= 0), default=-1)
+            wave[i] = 1 + max((wave[d] for d in (prev, bridge, *data, *self.ops[i].after) if d >= 0), default=-1)
         members: list[list[int]] = [[] for _ in range(max(wave, default=-1) + 1)]
         for i in self.order:
             members[wave[i]].append(i)
@@ -158,10 +170,10 @@ def checked(name: str, pp: int, m: int, v: int) -> Program:
 
 def program_for(plan: Plan) -> tuple[Program, int]:
     """The plan's pipeline program and how many of its stages are encoder stages."""
-    if plan.colocated:
+    if plan.shares_gpus:
         return checked(plan.schedule, plan.llm.pp, plan.microbatches, plan.virtual_stages), 0
     if plan.virtual_stages > 1:
-        raise DflopError("virtual stages need colocated placement")
+        raise DflopError("virtual stages need colocated or heterogeneous placement")
     return checked(plan.schedule, plan.encoder.pp + plan.llm.pp, plan.microbatches, 1), plan.encoder.pp
 
 
@@ -180,7 +192,7 @@ def plan_groups(plan: Plan) -> tuple[Group, ...]:
     """The pipeline ranks of the plan's program and the stages each holds, where its schedule places
     them (loop, or V: rank r of p holds stages r and 2p-1-r), without building the program: the
     groups :func:`build_template` makes, for the planner's cheap figures."""
-    if plan.colocated:
+    if plan.shares_gpus:
         ranks, encoder_stages, stages = plan.llm.pp, 0, plan.stages(Module.LLM)
     else:
         ranks = stages = plan.encoder.pp + plan.llm.pp
@@ -192,7 +204,7 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
     if program is None:
         program, encoder_stages = program_for(plan)
     else:
-        encoder_stages = 0 if plan.colocated else plan.encoder.pp
+        encoder_stages = 0 if plan.shares_gpus else plan.encoder.pp
         check_program(program)
     last_stage = program.stages - 1
     groups = _groups(plan, program.stage_to_rank, encoder_stages)
@@ -200,8 +212,12 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
     index: dict[Action, int] = {}
     flat: list[tuple[int, Action, int]] = []
     pairs: list[tuple[int, int]] = []
+    phase = plan.heterogeneous
     for rank, actions in enumerate(program.ranks):
         prev = -1
+        if phase:
+            flat.append((rank, Action.encoder_phase(Kind.ENCODE), prev))
+            prev = len(flat) - 1
         for action in actions:
             if not action.kind.is_compute:
                 continue
@@ -211,10 +227,17 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
                 prev = index[a]
             if action.sub_actions:
                 pairs.append((index[action.parts[0]], index[action.parts[1]]))
+        if phase:
+            flat.append((rank, Action.encoder_phase(Kind.ENCODE_B), prev))
     split = {(a.stage, a.microbatch) for a in index if a.kind is Kind.I}
+    last_llm = tuple(prev for _, a, prev in flat if a.kind is Kind.ENCODE_B)
 
     ops = []
     for i, (rank, a, prev) in enumerate(flat):
+        if a.kind.is_encoder_phase:
+            ops.append(TemplateOp(i, rank, a, -1, prev, (), -1,
+                                  after=last_llm if a.kind is Kind.ENCODE_B else ()))
+            continue
         s = a.stage
         deps: list[int] = []
         bridge = -1
@@ -240,7 +263,9 @@ def waits_for(op: TemplateOp, ops: Sequence[TemplateOp]) -> tuple[int, tuple[int
     """The ops whose ends ``op`` waits for on its replica: its predecessor (-1 for none), the op
     releasing each of its data dependencies (``released_by``, in ``op.deps`` order), and the op
     releasing its bridge input (-1 for none). The template-level reading of ``check.data_deps``
-    (see there why there are three levels); the topological order and the fast evaluator use it."""
+    (see there why there are three levels); the topological order and the fast evaluator use it.
+    An op's ``after`` (other groups' ops, on every replica) is the evaluators' to wait for, through
+    the collective between them."""
     return op.prev, tuple(ops[d].released_by for d in op.deps), ops[op.bridge].released_by if op.bridge >= 0 else -1
 
 
@@ -250,7 +275,7 @@ def _topological(ops: list[TemplateOp]) -> tuple[int, ...]:
     indegree = [0] * len(ops)
     for op in ops:
         prev, data, bridge = waits_for(op, ops)
-        for d in (prev, bridge, *data):
+        for d in (prev, bridge, *data, *op.after):
             if d >= 0:
                 succ[d].append(op.index)
                 indegree[op.index] += 1

@@ -8,7 +8,9 @@ efficiency). The encoder's cost is scaled by (LLM replicas / encoder
 replicas), since encoder microbatch k is the union of a column of LLM bins
 spread over the encoder replicas. With colocated placement the first LLM stage
 also runs the encoder, so its two dimensions are stage 0 and the busiest other
-stage.
+stage. With heterogeneous placement the bins balance the LLM alone: each
+sample's encoder replica is a second assignment of its own
+(``routing.encoder_ranks``), balanced over the whole step.
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ def cost_dimensions(plan: Plan) -> tuple[Module, ...]:
     LLM stage 0 with the encoder inside it)."""
     if plan.colocated:
         return (Module.LLM,) if plan.llm.pp == 1 else (Module.LLM, Module.LLM)
+    if plan.heterogeneous:
+        return (Module.LLM,)
     return (Module.ENCODER, Module.LLM)
 
 
@@ -118,6 +122,8 @@ def plan_costs(batch: SampleTable, plan: Plan, model: MLLMSpec, cost: CostModel)
     llm_specs = [StageSpec.of(Module.LLM, llm_layers, i, plan.llm.tp) for i in range(len(llm_layers))]
     per_sample = WorkShape.per_sample(batch)
     avg = per_sample.total(plan.bins)
+    if plan.heterogeneous:  # the encoder's work is balanced apart, over its own replicas
+        return _heaviest(cost, llm_specs, avg, per_sample)[:, None]
     if plan.colocated:
         enc = StageSpec(Module.ENCODER, model.encoder.layers, plan.llm.tp, first=True, last=True)
         first = _heaviest(cost, [llm_specs[0]], avg, per_sample) + \

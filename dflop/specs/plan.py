@@ -52,6 +52,11 @@ class Placement(str, Enum):
     """Encoder and LLM on separate GPU sets (DFLOP)."""
     COLOCATED = "colocated"
     """The encoder runs inside the first LLM pipeline stage (Megatron-style LLaVA training)."""
+    HETEROGENEOUS = "heterogeneous"
+    """The encoder runs on every GPU of the job with its own tp and dp, as a phase of its own: all of
+    the step's encoder forwards before the LLM's pipeline, their backwards after it, an all-to-all
+    carrying embeddings to LLM stage 0 and their gradients back (OrchMLLM's batch post-balancing,
+    Megatron's colocated heterogeneous parallelism in MIMO)."""
 
     def __str__(self) -> str:
         return self.value
@@ -134,7 +139,7 @@ class Plan:
 
     @property
     def gpus(self) -> int:
-        if self.colocated:
+        if self.shares_gpus:
             return self.llm.gpus
         return self.encoder.gpus + self.llm.gpus
 
@@ -148,10 +153,19 @@ class Plan:
         return self.placement is Placement.COLOCATED
 
     @property
+    def heterogeneous(self) -> bool:
+        return self.placement is Placement.HETEROGENEOUS
+
+    @property
+    def shares_gpus(self) -> bool:
+        """The encoder runs on the LLM's GPUs (colocated or heterogeneous): the job is the LLM's GPUs."""
+        return self.placement is not Placement.DISAGGREGATED
+
+    @property
     def strategy(self) -> "Strategy":
         """What the plan's memory and placement options mean, each fact named once."""
         return Strategy(zero=self.zero, hsdp=self.hsdp, fp32_grads=self.fp32_grads, colocated=self.colocated,
-                        llm_pp=self.llm.pp)
+                        llm_pp=self.llm.pp, encoder_phase=self.heterogeneous)
 
     def module(self, name: Module) -> ModulePlan:
         return self.encoder if name == Module.ENCODER else self.llm
@@ -169,10 +183,12 @@ class Plan:
     @property
     def pipeline_ranks(self) -> int:
         """Ranks of the one pipeline the program runs (encoder stages first when disaggregated)."""
-        return self.llm.pp if self.colocated else self.encoder.pp + self.llm.pp
+        return self.encoder.pp + self.llm.pp if self.placement is Placement.DISAGGREGATED else self.llm.pp
 
     def describe(self) -> str:
-        enc = "in LLM stage 0" if self.colocated else self.encoder.describe()
+        enc = ("in LLM stage 0" if self.colocated else
+               f"tp{self.encoder.tp} dp{self.encoder.dp} on the LLM's GPUs" if self.heterogeneous else
+               self.encoder.describe())
         memory = f"zero{self.zero}" + (" hsdp" if self.hsdp else "") + (" fp32-grads" if self.fp32_grads else "")
         return (f"encoder {enc} | llm {self.llm.describe()} | {self.placement} | "
                 f"m={self.microbatches} {self.schedule}"
@@ -232,14 +248,34 @@ class Plan:
                 out.append("colocated placement runs the encoder inside the first LLM stage: "
                            f"the encoder needs pp 1, tp {llm.tp} and dp {llm.dp} "
                            f"(got {enc.describe()})")
+        elif self.heterogeneous:
+            out.extend(self._heterogeneous_problems())
         elif self.virtual_stages > 1:
-            out.append(f"{self.virtual_stages} stages per rank ({self.schedule}) need colocated placement")
+            out.append(f"{self.virtual_stages} stages per rank ({self.schedule}) need colocated or "
+                       "heterogeneous placement")
         out.extend(self._schedule_problems())
         if global_batch is not None and self.bins > global_batch:
             out.append(f"llm dp {self.llm.dp} x {self.microbatches} microbatches = {self.bins} "
                        f"bins, more than the {global_batch} samples of the global batch")
         if not out:
             out.extend(placement_problems(self, cluster))
+        return out
+
+    def _heterogeneous_problems(self) -> list[str]:
+        """The encoder's TP groups tile the LLM's (one TP group of either holds whole groups of the
+        other), so that each LLM worker runs its encoder replicas' phase and no more."""
+        enc, llm = self.encoder, self.llm
+        out = []
+        if enc.pp != 1:
+            out.append(f"heterogeneous placement runs the encoder unpipelined: pp 1 (got pp {enc.pp})")
+        if enc.tp * enc.dp != llm.gpus:
+            out.append(f"heterogeneous placement runs the encoder on every GPU of the job: its tp x dp must be "
+                       f"the LLM's {llm.gpus} GPUs (got tp {enc.tp} x dp {enc.dp} = {enc.tp * enc.dp})")
+        if enc.tp % llm.tp and llm.tp % enc.tp:
+            out.append(f"heterogeneous placement needs the encoder's tp {enc.tp} and the LLM's tp {llm.tp} to "
+                       "divide one another (each TP group of one holds whole TP groups of the other)")
+        if self.zero > 1:
+            out.append(f"zero {self.zero} is not modelled for a heterogeneous encoder: use zero 0 or 1")
         return out
 
     def validate(self, cluster: ClusterSpec, model: MLLMSpec,
@@ -260,6 +296,8 @@ class Strategy:
     fp32_grads: bool = False
     colocated: bool = False
     llm_pp: int = 1
+    encoder_phase: bool = False
+    """Heterogeneous placement: the encoder runs as a phase of its own on every GPU, beside no stage."""
 
     @property
     def shards_optimizer(self) -> bool:
@@ -344,11 +382,12 @@ def place(plan: Plan) -> GpuMap:
 
     Tensor-parallel peers are neighbours (same node), data-parallel replicas
     next, pipeline stages furthest apart. With colocated placement the encoder
-    shares the GPUs of LLM stage 0.
+    shares the GPUs of LLM stage 0; heterogeneous, encoder replica x holds the
+    job's GPUs ``[x * tp, (x + 1) * tp)``.
     """
     groups: dict[tuple[Module, int, int], tuple[int, ...]] = {}
     base = 0
-    modules = [Module.LLM] if plan.colocated else [Module.ENCODER, Module.LLM]
+    modules = [Module.LLM] if plan.shares_gpus else [Module.ENCODER, Module.LLM]
     for name in modules:
         mp = plan.module(name)
         for stage in range(mp.pp):
@@ -359,6 +398,10 @@ def place(plan: Plan) -> GpuMap:
     if plan.colocated:
         for replica in range(plan.llm.dp):
             groups[(Module.ENCODER, 0, replica)] = groups[(Module.LLM, 0, replica)]
+    if plan.heterogeneous:
+        tp = plan.encoder.tp
+        for replica in range(plan.encoder.dp):
+            groups[(Module.ENCODER, 0, replica)] = tuple(range(replica * tp, (replica + 1) * tp))
     return GpuMap(groups)
 
 

@@ -28,6 +28,7 @@ from dflop.program.template import Template
 from dflop.specs.hardware import TrainingSpec
 from dflop.specs.models import MLLMSpec
 from dflop.specs.plan import Module, Plan, Strategy, place
+from dflop.timing.encoder_phase import EncoderPhase
 from dflop.timing.dpcomm import NS, TimedCollective, dp_gpus, fsdp_op, group_comm, reduction, shard_degree, to_ns
 from dflop.timing.perop import PerOp
 from dflop.workload.sample import SampleTable
@@ -177,6 +178,9 @@ class TimingBuilder:
             self.bridge_links = (bw.reshape(j.shape), lat.reshape(j.shape))
         self.static_bytes, self.comm = self._state()
         self.specs = group_collectives(template)
+        self.phase = EncoderPhase(self) if plan.heterogeneous else None
+        if self.phase is not None:  # every GPU also holds its encoder replica's share
+            self.static_bytes = self.static_bytes + self.phase.static_bytes
 
     def _links(self, a: int, b: int, xa: np.ndarray, xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per pair of replicas: bandwidth of a TP group's parallel links, and latency (a pair's link is
@@ -313,6 +317,7 @@ class _Costing:
         duration, overlap = PerOp.zeros(b.width, np.int64), PerOp.zeros(b.width, np.int64)
         alloc, free, transient, flops, hw_flops = (PerOp.zeros(b.width) for _ in range(5))
         exposed = np.zeros(len(t.ops))
+        work = b.phase.work(self.batch, self.assignment) if b.phase is not None else None
         for g, ops in zip(t.groups, t.group_ops):
             got, r = self._group(g, slowdown), g.replicas
             kind = b.columns[g.index][1]
@@ -325,14 +330,25 @@ class _Costing:
             flops.table[ops, :r] = got["flops"]
             hw_flops.table[ops, :r] = got["flops"] + got["recompute"]
             exposed[ops] = got["exposed"]
+            if work is not None:  # the group's first and last ops: its ENCODE and ENCODE_B
+                mine = slice(g.index * r, (g.index + 1) * r)  # heterogeneous: every group has the LLM's dp
+                encode, back = ops[0], ops[-1]
+                duration.table[encode, :r], duration.table[back, :r] = work.forward[mine], work.backward[mine]
+                transient.table[encode, :r] = transient.table[back, :r] = work.chunk_bytes[mine]
+                flops.table[encode, :r], flops.table[back, :r] = work.flops[mine], 2 * work.flops[mine]
+                hw_flops.table[encode, :r] = work.flops[mine]
+                hw_flops.table[back, :r] = 3 * work.flops[mine] + work.recompute_flops[mine]
         collectives = []
         for spec in b.specs:
-            if spec.kind is Kind.REDUCE_GRAD:
+            if spec.group < 0:
+                collectives.append(b.phase.collective(spec, work, duration, slowdown))
+            elif spec.kind is Kind.REDUCE_GRAD:
                 collectives.append(reduction(spec, b.comm[spec.group], duration, slowdown))
             else:
                 lag = np.zeros(t.groups[spec.group].replicas, dtype=np.int64)
                 collectives.append(TimedCollective(spec.kind, spec.group, spec.op, int(to_ns(exposed[spec.op])), lag))
-        info = OpInfo(t, [self._info_table(g.module) for g in t.groups])
+        info = OpInfo(t, [self._info_table(g.module) for g in t.groups],
+                      None if work is None else {"samples": work.samples, "tiles": work.tiles})
         return StepTiming(t, duration, self._dep_comm(), self._bridges(), collectives, alloc, free, transient,
                           b.static_bytes, b.cluster.hardware.usable_memory_bytes, flops, hw_flops, overlap, info,
                           b.gpus)
@@ -383,11 +399,15 @@ class OpInfo(Sequence):
     """Per op, the shape of the work it ran (samples, tokens, tiles per replica), read on demand
     from its group's (replicas, microbatches) tables: only traces and step graphs ask."""
 
-    def __init__(self, template: Template, tables: list[dict[str, np.ndarray]]) -> None:
-        self.t, self.tables = template, tables
+    def __init__(self, template: Template, tables: list[dict[str, np.ndarray]],
+                 phase: dict[str, np.ndarray] | None = None) -> None:
+        self.t, self.tables, self.phase = template, tables, phase
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:  # type: ignore[override]
         op = self.t.ops[i]
+        if op.action.kind.is_encoder_phase:  # per worker of the whole job: this group's slice
+            r = self.t.groups[op.group].replicas
+            return {name: v[op.group * r:(op.group + 1) * r] for name, v in self.phase.items()}
         return {name: v[:, op.action.microbatch] for name, v in self.tables[op.group].items()}
 
     def __len__(self) -> int:

@@ -78,7 +78,7 @@ def graph_costs(graph: StepGraph, timing: StepTiming) -> StepCosts:
                 duration[k] = timing.dep_comm[consumer][slot][workers[recv.worker].replica]
         elif node.kind.is_collective:
             timed = timing.collectives[node.collective]
-            duration[k], lag[k] = timed.duration, timed.lag[x]
+            duration[k], lag[k] = timed.duration, timed.lag[node.worker if timed.group < 0 else x]
     static = np.array([timing.static_bytes[w.group] for w in workers], dtype=float)
     return StepCosts(duration, alloc, free, flops, tuple(info), static, timing.capacity, lag, transient, hw_flops,
                      overlap)

@@ -57,7 +57,10 @@ class TimedCollective:
     duration: int
     """ns, the same on every member."""
     lag: np.ndarray
-    """Per replica: ns after its anchor starts (a REDUCE_GRAD); zeros for an UNSHARD."""
+    """Per replica: ns after its anchor starts (a REDUCE_GRAD); zeros for an UNSHARD. A collective
+    of the whole job: per worker (``StepGraph.workers`` order)."""
+    ops: tuple[int, ...] = ()
+    """A collective of the whole job (``group`` -1): its op on every group."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflop.program.actions import Kind
 from dflop.timing.costing import StepTiming
 from dflop.timing.perop import PerOp
 
@@ -77,11 +76,13 @@ def evaluate(timing: StepTiming) -> StepTimes:
     before: dict[int, list[tuple[int, int]]] = {}  # per wave: (row, collective) of the ops with one
     after: dict[int, list[tuple[int, int]]] = {}
     for c, timed in enumerate(timing.collectives):
-        w, row = t.wave_position[timed.op]
-        (before if timed.kind is Kind.UNSHARD else after).setdefault(w, []).append((row, c))
+        for op in timed.ops or (timed.op,):
+            w, row = t.wave_position[op]
+            (before if timed.kind.precedes_its_op else after).setdefault(w, []).append((row, c))
     width = timing.duration.width
+    base = np.cumsum([0] + [g.replicas for g in t.groups])  # each group's first worker
     stream = [0] * len(t.groups)  # when each group's collective stream is next free
-    c_start, c_end = [0] * len(timing.collectives), [0] * len(timing.collectives)
+    c_start, c_end = [-1] * len(timing.collectives), [0] * len(timing.collectives)
     for w, wave in enumerate(t.waves):
         ops = wave.ops
         ready = (end[wave.waits] + comm[ops]).max(axis=1)  # the predecessor's end, each input's arrival
@@ -91,19 +92,29 @@ def evaluate(timing: StepTiming) -> StepTimes:
                 src, dst, ns = edges
                 np.maximum.at(ready[row], dst, end[released][src] + ns)
         for row, c in before.get(w, ()):
-            i = int(ops[row])
-            g = t.ops[i].group
-            prev = wave.waits[row, 0]
-            c_start[c] = max(stream[g], int(end[prev, :width[i]].max()) if prev < n else 0)
-            c_end[c] = stream[g] = c_start[c] + timing.collectives[c].duration
+            timed = timing.collectives[c]
+            if c_start[c] < 0:  # a collective of the whole job starts once, when its last member can
+                members = timed.ops or (int(ops[row]),)
+                groups = [t.ops[i].group for i in members]
+                prevs = [t.ops[i].prev for i in members]
+                c_start[c] = max([stream[g] for g in groups]
+                                 + [int(end[p, :width[i]].max()) for p, i in zip(prevs, members) if p >= 0])
+                c_end[c] = c_start[c] + timed.duration
+                for g in groups:
+                    stream[g] = c_end[c]
             np.maximum(ready[row], c_end[c], out=ready[row])
         start[ops] = ready
         end[ops] = ready + duration[ops]
         for row, c in after.get(w, ()):
             i = int(ops[row])
             g = t.ops[i].group
-            c_start[c] = max(stream[g], int((ready[row, :width[i]] + timing.collectives[c].lag).max()))
-            c_end[c] = stream[g] = c_start[c] + timing.collectives[c].duration
+            timed = timing.collectives[c]
+            lag = timed.lag[base[g]:base[g] + width[i]] if timed.group < 0 else timed.lag
+            at = max(stream[g], int((ready[row, :width[i]] + lag).max()))
+            c_start[c] = max(c_start[c], at)  # members of one collective share a wave (``TemplateOp.after``)
+            c_end[c] = c_start[c] + timed.duration
+        for row, c in after.get(w, ()):
+            stream[t.ops[int(ops[row])].group] = c_end[c]
     compute = int(end[:n].max()) if n else 0
     return StepTimes(PerOp(start[:n], width), PerOp(end[:n], width), c_start, c_end, compute,
                      max([compute] + c_end))

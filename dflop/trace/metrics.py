@@ -117,12 +117,16 @@ def metrics(doc: dict[str, Any]) -> TraceMetrics:
     )
 
 
-MODULE_GROUP_NAMES = {"encoder": "encoder", "llm": "LLM", "llm+encoder": "LLM stage 0 + encoder"}
+MODULE_GROUP_NAMES = {"encoder": "encoder", "llm": "LLM", "llm+encoder": "LLM stage 0 + encoder",
+                      "llm+encoder-phase": "LLM + encoder phase"}
 """How reports and pictures name each group of ``module_groups``."""
 
 
 def module_groups(workers: list[dict[str, Any]]) -> list[str]:
-    """The module each worker's GPUs serve: its own, or "llm+encoder" for a colocated first LLM stage."""
+    """The module each worker's GPUs serve: its own, "llm+encoder" for a colocated first LLM stage, or
+    "llm+encoder-phase" for every rank of a heterogeneous plan."""
+    if any(w.get("encoder_phase") for w in workers):
+        return ["llm+encoder-phase"] * len(workers)
     colocated = not any(w.get("module") == Module.ENCODER for w in workers)
     return ["llm+encoder" if colocated and w.get("module", Module.LLM) == Module.LLM and w.get("rank") == 0
             else w.get("module", "llm") for w in workers]

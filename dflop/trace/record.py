@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from dflop.program.actions import Kind
 from dflop.timing.costs import StepCosts
 from dflop.program.stepgraph import StepGraph
+from dflop.specs.plan import Module
 from dflop.trace.chrome import COMM, COMPUTE, TraceBuilder
 
 RECV = "recv"
@@ -31,6 +33,8 @@ def worker_records(graph: StepGraph, costs: StepCosts | None = None,
     for w in graph.workers:
         record = {"name": w.name, "module": str(w.module), "rank": w.pp_rank, "replica": w.replica,
                   "gpus": list(w.gpus)}
+        if graph.template.plan.heterogeneous:
+            record["encoder_phase"] = True  # it also runs encoder replicas, in ENCODE and ENCODE_B
         if costs is not None:
             record["capacity_bytes"] = costs.capacity
             record["static_bytes"] = float(costs.static_bytes[w.index])
@@ -42,6 +46,8 @@ def worker_records(graph: StepGraph, costs: StepCosts | None = None,
 
 def _category(graph: StepGraph, k: int) -> str:
     kind = graph.nodes[k].kind
+    if kind.is_encoder_phase:  # drawn and counted as the encoder's forward and backward
+        return (Kind.F if kind is Kind.ENCODE else Kind.B).value
     if kind.is_compute:
         return kind.value
     if kind.is_collective:
@@ -58,6 +64,8 @@ def node_args(graph: StepGraph, k: int, costs: StepCosts | None = None) -> dict[
     if node.stage >= 0:
         module, stage = graph.template.module_stage(node.stage)
         args.update(module=str(module), stage=stage)
+    elif node.kind.is_encoder_phase:
+        args.update(module=str(Module.ENCODER), stage=0)
     if node.microbatch >= 0:
         args["microbatch"] = node.microbatch
     if node.peer >= 0:

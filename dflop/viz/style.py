@@ -27,14 +27,17 @@ COMPUTE_COLORS = {
     (Module.ENCODER, "W"): "#da8bc3",
 }
 COMM_COLORS = {"p2p": "#6f6f6f", "bridge": "#17becf", "reduce_grad": "#c44e52", "unshard": "#ccb974",
-               "overlapped": "#e5d8a0"}
+               "overlapped": "#e5d8a0", "all_to_all_f": "#17becf", "all_to_all_b": "#0f8a96",
+               "reduce_encoder_grad": "#8c2d30"}
 OTHER_COLOR = "#b5b5b5"
 COLOCATED_COLORS = {"F": "#2b4a7a", "B": "#9c5428", "I": "#9c5428", "W": "#5e4c3c"}
 """A darker shade of the LLM's colours, hatched, where a colocated first stage also runs the encoder."""
 COLOCATED_HATCH = "//"
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "backward (weights)"}
 COMM_NAMES = {"p2p": "p2p send", "bridge": "encoder->LLM bridge", "reduce_grad": "gradient reduction",
-              "unshard": "FSDP gather", "overlapped": "FSDP gathers/reductions inside compute"}
+              "unshard": "FSDP gather", "overlapped": "FSDP gathers/reductions inside compute",
+              "all_to_all_f": "all-to-all (embeddings)", "all_to_all_b": "all-to-all (their gradients)",
+              "reduce_encoder_grad": "encoder gradient reduction"}
 
 
 def figure(rows: int, cols: int, size: tuple[float, float], **kwargs: Any):

@@ -136,7 +136,7 @@ def _colocated(doc: dict[str, Any]) -> bool:
 
     The trace marks such events as module llm; their tiles give the encoder's share away."""
     workers = doc.get("otherData", {}).get("workers", [])
-    if any(w.get("module") == Module.ENCODER for w in workers):
+    if any(w.get("module") == Module.ENCODER or w.get("encoder_phase") for w in workers):
         return False
     return any(e.get("tid") == COMPUTE and e.get("args", {}).get("stage") == 0 and e["args"].get("tiles", 0) > 0
                for e in doc["traceEvents"] if e.get("ph") == "X")
