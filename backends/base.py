@@ -87,6 +87,10 @@ class Backend(Protocol):
     def share(self, value: T) -> T:
         """The reporting rank's ``value``, on every process (``value`` is ignored on the others)."""
 
+    def refuse(self, plan: Plan) -> None:
+        """Raise a DflopError naming what in ``plan`` this backend cannot run (before anything is removed
+        or measured: a plan file's plan is asked before the run clears its folder)."""
+
     def prepare(self, plans: dict[str, Plan], steps: int, log: Callable[[str], None]) -> None:
         """On the reporting rank, once the arms still to run (name: plan) are known and before any of
         them runs ``steps`` steps: refuse what cannot run, ``log`` what will be off."""

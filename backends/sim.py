@@ -52,5 +52,8 @@ class SimBackend:
     def share(self, value: T) -> T:
         return value
 
+    def refuse(self, plan: Plan) -> None:
+        return None
+
     def prepare(self, plans: dict[str, Plan], steps: int, log: Callable[[str], None]) -> None:
         return None

@@ -110,7 +110,7 @@ def test_a_rank_waits_for_the_slowest_encoder_replica_on_its_gpus(model, cluster
     tiles = np.bincount(rank, weights=step.batch.tiles.astype(float), minlength=8)
     samples = np.bincount(rank, weights=(step.batch.tiles > 0).astype(float), minlength=8)
     spec = StageSpec(Module.ENCODER, model.encoder.layers, 1, first=True, last=True, recompute=plan.recompute)
-    fwd = np.asarray(system.cost.stage_cost(spec, WorkShape(samples, tiles)).fwd)
+    fwd = 4 * np.asarray(system.cost.stage_cost(spec, WorkShape(samples / 4, tiles / 4)).fwd)  # 4 chunks
     encode = step.timing.template.group_ops[0][0]
     expected = np.rint(np.maximum(fwd[0::2], fwd[1::2]) * 1e9).astype(np.int64)
     assert (step.timing.duration[encode] == expected).all()
@@ -129,8 +129,9 @@ def test_text_only_steps_exchange_nothing(model, cluster, system_and_data):
 
 
 def test_the_phase_holds_no_activations_through_the_pipeline(model, cluster, system_and_data):
-    """ENCODE and ENCODE_B hold one chunk (a microbatch's share) while they run and nothing between
-    them; ENCODE_B runs the forward again before the backward."""
+    """ENCODE and ENCODE_B hold one chunk (a microbatch's share) while they run and no activations
+    between them, only the stage-0 ranks' embeddings and their gradients; ENCODE_B runs each chunk's
+    forward again before its backward."""
     system, data = system_and_data
     plan = hetero(2, 8, 2, 2, 4)
     step = step_of(plan, system, data, 5)
@@ -140,15 +141,19 @@ def test_the_phase_holds_no_activations_through_the_pipeline(model, cluster, sys
     tiles = np.bincount(rank, weights=step.batch.tiles.astype(float), minlength=8)
     samples = np.bincount(rank, weights=(step.batch.tiles > 0).astype(float), minlength=8)
     spec = StageSpec(Module.ENCODER, model.encoder.layers, 2, first=True, last=True, recompute=plan.recompute)
-    c = system.cost.stage_cost(spec, WorkShape(samples, tiles))
-    chunk = (np.asarray(c.act_bytes) + np.asarray(c.transient_bytes)) / plan.microbatches
-    again = np.rint((np.asarray(c.fwd) + np.asarray(c.bwd)) * 1e9).astype(np.int64)
+    m = plan.microbatches
+    c = system.cost.stage_cost(spec, WorkShape(samples / m, tiles / m))
+    chunk = np.asarray(c.act_bytes) + np.asarray(c.transient_bytes)
+    again = np.rint(m * (np.asarray(c.fwd) + np.asarray(c.bwd)) * 1e9).astype(np.int64)
+    image_bytes = step.batch.image_tokens * model.llm.hidden * system.training.activation_bytes
+    received = np.bincount(step.assignment // m, weights=image_bytes, minlength=4)
     for g, ops in enumerate(t.template.group_ops):
         encode, back = ops[0], ops[-1]
-        assert t.alloc.table[encode, :4].sum() == t.free.table[back, :4].sum() == 0
+        held = 2 * received if g == 0 else np.zeros(4)  # stage 0: the embeddings and their gradients
+        assert np.allclose(t.alloc.table[encode, :4], held) and np.allclose(t.free.table[back, :4], held)
         assert np.allclose(t.transient.table[encode, :4], chunk[g * 4:(g + 1) * 4])  # encoder tp = LLM tp
         assert (t.duration[back] >= again[g * 4:(g + 1) * 4]).all()  # and slower beside the encoder's reduction
-        assert (peaks[g] >= t.static_bytes[g] + chunk[g * 4:(g + 1) * 4]).all()
+        assert (peaks[g] >= t.static_bytes[g] + held + chunk[g * 4:(g + 1) * 4]).all()
 
 
 def test_the_bins_balance_the_llm_alone(model, cluster, system_and_data):
@@ -168,7 +173,7 @@ def test_simulate_runs_a_heterogeneous_plan_file(tmp_path):
 
     plan = tmp_path / "het.yaml"
     plan.write_text("encoder: {tp: 1, dp: 8}\nllm: {tp: 2, pp: 2, dp: 2}\nplacement: heterogeneous\n"
-                    "microbatches: 4\nrecompute: full\n")  # the step's encoder activations live through the pipeline
+                    "microbatches: 4\nrecompute: full\n")  # the LLM's activations need it on 8 GPUs
     ran = dflop_here("simulate", "--config", small_config(tmp_path), "--plan", plan, "--steps", 2,
                      "--out", tmp_path / "sim", "--json")
     assert ran.returncode == 0, ran.stderr
@@ -182,3 +187,15 @@ def test_simulate_runs_a_heterogeneous_plan_file(tmp_path):
                     "microbatches: 4\n")
     assert_one_line_error(dflop_here("simulate", "--config", small_config(tmp_path), "--plan", plan,
                                      "--out", tmp_path / "s2"), "runs the encoder unpipelined")
+
+
+def test_the_torch_backend_refuses_a_heterogeneous_plan_before_it_removes_anything(tmp_path):
+    plan = tmp_path / "het.yaml"
+    plan.write_text("encoder: {tp: 1, dp: 2}\nllm: {tp: 1, pp: 1, dp: 2}\nplacement: heterogeneous\nmicrobatches: 2\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    earlier = out / "dflop.result.json"
+    earlier.write_text("{}")  # what an earlier run left
+    ran = dflop_here("run", "--backend", "torch", "--plan", plan, "--out", out, "--no-calibrate")
+    assert_one_line_error(ran, "plan field placement: the torch backend does not run a heterogeneous encoder phase")
+    assert earlier.read_text() == "{}"

@@ -42,7 +42,7 @@ def test_bounds_never_exceed_evaluated_times():
     opt = Optimizer(problem, 64, first=2, most=2, exhaustive=True)
     builder = SpaceBuilder(problem, 64)
     rng = np.random.default_rng(0)
-    for placement in ("colocated", "disaggregated"):
+    for placement in ("colocated", "heterogeneous", "disaggregated"):
         plans = [p for options in builder.plans(DFLOP, placement) for p in options]
         for i in rng.choice(len(plans), size=min(12, len(plans)), replace=False):
             plan = plans[i]
@@ -77,7 +77,7 @@ def test_spaces_respect_topology_and_their_restrictions():
     builder = SpaceBuilder(problem, 128)
     seen = {}
     for space in (DFLOP, MEGATRON, PYTORCH):
-        for placement in ("colocated", "disaggregated"):
+        for placement in ("colocated", "heterogeneous", "disaggregated"):
             for options in builder.plans(space, placement):
                 assert [p.recompute for p in options] == ["none", "selective", "full"]
                 for plan in options[:1]:
@@ -90,9 +90,14 @@ def test_spaces_respect_topology_and_their_restrictions():
                             assert plan.encoder.dp == plan.llm.dp and plan.encoder.tp <= plan.llm.tp
                     if space is PYTORCH:
                         assert plan.colocated and plan.llm.pp == 1 and plan.zero in (0, 2, 3)
+                    if plan.heterogeneous:  # the encoder's own TP tiling the LLM's, on every GPU
+                        assert space is DFLOP and plan.encoder.tp * plan.encoder.dp == 16 and plan.zero <= 1
+                        assert plan.encoder.tp % plan.llm.tp == 0 or plan.llm.tp % plan.encoder.tp == 0
                     if plan.pipeline_ranks == 1:
                         assert plan.schedule == "1F1B" and plan.virtual_stages == 1  # canonical
     assert any(p.hsdp for p in seen["pytorch"]) and any(not p.colocated for p in seen["megatron"])
+    heterogeneous = {(p.llm.tp, p.encoder.tp) for p in seen["dflop"] if p.heterogeneous}
+    assert {(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (4, 1)} <= heterogeneous
     # dflop's space holds every baseline plan, or one alike but for provably dominated memory options
     mine = {(p.encoder, p.llm, p.placement, p.microbatches, p.schedule, p.virtual_stages, p.zero, p.hsdp)
             for p in seen["dflop"]}
@@ -131,14 +136,15 @@ def test_speedup_is_against_the_strongest_baseline_and_decomposes():
     assert strongest.best.mean == min(b.best.mean for b in result.found)
     assert result.speedup == pytest.approx(strongest.best.mean / result.best.mean)
     d = result.decomposition
-    assert d["plan_gain"] * d["balance_gain"] == pytest.approx(result.speedup)
+    assert d["layout_gain"] * d["plan_gain"] * d["balance_gain"] == pytest.approx(result.speedup)
+    assert (d["layout_gain"] == 1.0) == (not result.best.plan.heterogeneous)
     # dflop's space contains the baselines': its choice is never slower than any of them, or their plans
     # with dflop's bins
     assert all(result.best.mean <= e.mean for b in result.found for e in (b.best, b.balanced) if e is not None)
     assert result.ideal_s <= result.best.mean
     error = result.speedup_at_error()
     assert error["sigma"] == 0.2 and error["speedup"] > 0
-    assert error["plan_gain"] * error["balance_gain"] == pytest.approx(error["speedup"])
+    assert error["layout_gain"] * error["plan_gain"] * error["balance_gain"] == pytest.approx(error["speedup"])
     json = result.to_json()
     assert len(json["baselines"]) == 7 and all({"space", "batching", "plan", "step_time_s", "mfu"} <= set(b)
                                                 for b in json["baselines"])
@@ -236,3 +242,24 @@ def test_a_baseline_rule_cuts_chunks_by_the_number_of_bins_alone():
             chunk = cut(batch, replicas * m)
             assert np.array_equal(dispatch(chunk, replicas, m), assign(rule, batch, replicas, m))
             assert 0 <= chunk.min() and chunk.max() < replicas * m
+
+
+def test_the_layout_gain_is_over_the_best_plan_without_an_encoder_phase(model, cluster):
+    """speedup = layout gain x plan gain x balance gain, when dflop's choice runs a heterogeneous encoder."""
+    from dflop.plan.report import Baseline, OptimizeResult
+    from dflop.specs import ModulePlan, Plan
+
+    def estimate(plan, batching, steps):
+        return Estimate(plan, batching, 0.0, steps=list(steps))
+
+    llm = ModulePlan(tp=2, dp=4)
+    phase = Plan(encoder=ModulePlan(tp=1, dp=8), llm=llm, placement="heterogeneous", microbatches=4)
+    colocated = Plan(encoder=ModulePlan(tp=2, dp=4), llm=llm, placement="colocated", microbatches=4)
+    best, without = estimate(phase, Batching.BALANCED, [1.0, 1.2]), estimate(colocated, Batching.BALANCED, [1.2, 1.3])
+    baseline = Baseline("megatron", Batching.TOKENS, estimate(colocated, Batching.TOKENS, [1.5, 1.6]),
+                        estimate(colocated, Batching.BALANCED, [1.3, 1.4]))
+    result = OptimizeResult(best, [without], [baseline], {}, 0.0, 0.5, cluster.hardware, homogeneous=without)
+    d = result.decomposition
+    assert d["layout_gain"] == pytest.approx(1.25 / 1.1) and d["plan_gain"] == pytest.approx(1.35 / 1.25)
+    assert d["layout_gain"] * d["plan_gain"] * d["balance_gain"] == pytest.approx(result.speedup)
+    assert without in result.judged() and result.to_json()["decomposition"]["layout_gain"] == d["layout_gain"]

@@ -246,13 +246,16 @@ class TorchBackend:
         self.planned = True  # what the reporting rank shares is the planned (and saved) run
         return bundle[0]
 
+    def refuse(self, plan: Plan) -> None:
+        refuse_unsupported(plan, self.options)
+
     def prepare(self, plans: dict[str, Plan], steps: int, log: Callable[[str], None]) -> None:
         """Resuming, every arm's checkpoint checked before the first arm trains; otherwise the
         checkpoints an earlier run left in the folder removed. More CPU ranks than cores: a warning.
         A plan the backend cannot run is refused here, before the calibration."""
         assert self.folder is not None, "prepare() runs inside session()"
         for plan in plans.values():
-            refuse_unsupported(plan, self.options)
+            self.refuse(plan)
         self.planned = True
         saved = self.folder / "checkpoints"
         if self.options.resume:

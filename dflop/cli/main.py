@@ -327,6 +327,13 @@ def _idle(r: dict[str, Any]) -> str:
     return f"idle {_pct(r['idle_fraction'])}" + (f" ({parts})" if len(groups) > 1 else "")
 
 
+def _gains(d: dict[str, Any]) -> str:
+    """' = [layout gain x] plan gain x balance gain': the layout gain where dflop's plan has an encoder phase."""
+    layout = d.get("layout_gain", 1.0)
+    return (" = " + (f"layout gain {layout:.2f}x x " if layout != 1.0 else "")
+            + f"plan gain {d['plan_gain']:.2f}x x balance gain {d['balance_gain']:.2f}x")
+
+
 def baseline_lines(r: dict[str, Any]) -> list[str]:
     """The baselines table, the speedup and its decomposition, at zero and at the prediction error."""
     lines = ["baselines (space / batching: best plan; the same plan with dflop's bins):"]
@@ -341,13 +348,11 @@ def baseline_lines(r: dict[str, Any]) -> list[str]:
     if r["speedup"] is not None:
         d = r["decomposition"]
         lines.append(f"speedup {r['speedup']:.2f}x against the strongest baseline ({r['baseline']['space']} / "
-                     f"{r['baseline']['batching']})" + (f" = plan gain {d['plan_gain']:.2f}x x balance gain "
-                                                         f"{d['balance_gain']:.2f}x" if d else ""))
+                     f"{r['baseline']['batching']})" + (_gains(d) if d else ""))
     e = r.get("prediction_error")
     if e:
         lines.append(f"at {e['sigma']:.0%} per-sample prediction error ({e['source']}): speedup {e['speedup']:.2f}x"
-                     + (f" = plan gain {e['plan_gain']:.2f}x x balance gain {e['balance_gain']:.2f}x"
-                        if e.get("plan_gain") else ""))
+                     + (_gains(e) if e.get("plan_gain") else ""))
     lines += [f"warning: {w}" for w in r.get("warnings", [])]
     return lines
 

@@ -139,6 +139,8 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
                 s = setup(config_path, gpus=gpus, nodes=nodes, plan_file=plan_file, backend=backend.defaults, log=log,
                           execution=config.execution)
                 start = check_start(s, steps or s.config.steps, folder)
+                if s.config.plan is not None:
+                    backend.refuse(s.config.plan)
                 _say_machine(backend, s.system, calibrate, log)
                 clear(folder, log)  # once the run's inputs are known good: a refused run removes nothing
                 arms, planning = plan_arms(s, steps or s.config.steps, folder, log, progress, noise, start)

@@ -316,7 +316,14 @@ class Evaluator:
                 work = work + self._whole_batch(StageSpec(Module.ENCODER, model.encoder.layers, g.tp, first=True,
                                                           last=True, recompute=rc), n)
             ranks.append(work / g.replicas)
-        return float(np.mean(np.max(np.stack(ranks), axis=0)))
+        ranks = np.stack(ranks)
+        bound = np.max(ranks, axis=0)
+        if plan.heterogeneous:  # each rank runs its LLM work and its encoder phase one after the other: on
+            # average over the ranks at least the mean LLM share plus an encoder replica's mean share
+            encoder = self._whole_batch(StageSpec(Module.ENCODER, model.encoder.layers, plan.encoder.tp, first=True,
+                                                  last=True, recompute=rc), n)
+            bound = np.maximum(bound, np.mean(ranks, axis=0) + encoder / plan.encoder.dp)
+        return float(np.mean(bound))
 
     # ---- evaluation -----------------------------------------------------------------------------
 

@@ -59,6 +59,14 @@ class OptimizeResult:
     """id(estimate) -> its mean step time when the world's costs differ from the predictions."""
     not_searched: str = ""
     """What a search deadline left out, in one line ('' when everything was searched)."""
+    homogeneous: Estimate | None = None
+    """The best plan without a heterogeneous encoder phase (dflop's own or a baseline's with dflop's
+    bins), when dflop's choice has one: the decomposition's layout gain is over it."""
+
+    @property
+    def without_phase(self) -> Estimate:
+        """What the plan gain starts from: dflop's choice, or the best plan without an encoder phase."""
+        return self.homogeneous if self.homogeneous is not None else self.best
 
     @property
     def found(self) -> list[Baseline]:
@@ -75,15 +83,21 @@ class OptimizeResult:
 
     @property
     def decomposition(self) -> dict[str, float] | None:
-        """speedup = plan_gain x balance_gain (via the strongest baseline's plan with dflop's bins)."""
+        """speedup = layout_gain x plan_gain x balance_gain: dflop's choice over the best plan without a
+        heterogeneous encoder phase (1 when its choice has none), that over the strongest baseline's
+        plan with dflop's bins, that over the same plan with the baseline's own rule."""
         b = self.strongest
         if b is None or b.balanced is None:
             return None
-        return {"plan_gain": score(b.balanced) / score(self.best), "balance_gain": score(b.best) / score(b.balanced)}
+        h = self.without_phase
+        return {"layout_gain": score(h) / score(self.best), "plan_gain": score(b.balanced) / score(h),
+                "balance_gain": score(b.best) / score(b.balanced)}
 
     def judged(self) -> list[Estimate]:
-        """The estimates the report compares (dflop's choice, every baseline and its balanced twin)."""
-        return [self.best] + [e for b in self.found for e in (b.best, b.balanced) if e is not None]
+        """The estimates the report compares (dflop's choice, the best without an encoder phase, every
+        baseline and its balanced twin)."""
+        return [self.best] + ([self.homogeneous] if self.homogeneous is not None else []) + [
+            e for b in self.found for e in (b.best, b.balanced) if e is not None]
 
     def speedup_at_error(self) -> dict[str, float] | None:
         b = self.strongest
@@ -92,7 +106,9 @@ class OptimizeResult:
         mine = self.at_error[id(self.best)]
         out = {"sigma": self.noise, "step_time_s": mine, "baseline_step_time_s": self.at_error[id(b.best)],
                "speedup": self.at_error[id(b.best)] / mine}
-        out["plan_gain"] = self.at_error[id(b.balanced)] / mine if b.balanced is not None else None
+        h = self.at_error[id(self.without_phase)]
+        out["layout_gain"] = h / mine
+        out["plan_gain"] = self.at_error[id(b.balanced)] / h if b.balanced is not None else None
         out["balance_gain"] = (self.at_error[id(b.best)] / self.at_error[id(b.balanced)]
                                if b.balanced is not None else None)
         return out
@@ -150,8 +166,11 @@ def explain(result: OptimizeResult, usable: float) -> list[str]:
                        f"[{base.plan.describe()}]: step {score(w):.3f} s vs {score(base):.3f} s")
         d = result.decomposition
         if d is not None:
-            out.append(f"plan gain {d['plan_gain']:.2f}x (its plan with dflop's bins: {score(b.balanced):.3f} s), "
-                       f"balance gain {d['balance_gain']:.2f}x")
+            layout = "" if result.homogeneous is None else (
+                f"layout gain {d['layout_gain']:.2f}x (the best plan without an encoder phase: "
+                f"{score(result.homogeneous):.3f} s), ")
+            out.append(layout + f"plan gain {d['plan_gain']:.2f}x (its plan with dflop's bins: "
+                       f"{score(b.balanced):.3f} s), balance gain {d['balance_gain']:.2f}x")
         else:
             out.append(f"no decomposition: {b.reason}")
         out.append(f"bubbles {np.mean(w.bubble):.1%} vs {np.mean(base.bubble):.1%}; bins within "

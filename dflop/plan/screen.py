@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflop.cost.comm import p2p_time
+from dflop.cost.memory import layer_params, stage_params, state_bytes
 from dflop.cost.overlap import bucket_lag
 from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.plan.evaluate import Evaluator, inflight_by_stage
@@ -44,7 +45,7 @@ def dp_group(plan: Plan, module: Module, stage: int) -> list[int]:
     """GPUs of the data-parallel group of tensor-parallel rank 0 of a pipeline rank, as ``place``
     lays them out (encoder first, then the LLM; replicas side by side, stages apart)."""
     mp = plan.module(module)
-    base = plan.encoder.gpus if module == Module.LLM and not plan.colocated else 0
+    base = plan.encoder.gpus if module == Module.LLM and not plan.shares_gpus else 0
     return [base + mp.tp * (r + mp.dp * stage) for r in range(mp.dp)]
 
 
@@ -128,6 +129,10 @@ class Screener:
                     a, t = a + e[3], max(t, e[4])
                 acts.append(a)
                 transient = max(transient, t)
+            if plan.heterogeneous:  # a chunk of its encoder phase while it runs; stage 0, its embeddings
+                transient = max(transient, self._phase_chunk(plan))
+                state += 2 * plan.microbatches * tokens_cap * model.llm.hidden * self.p.training.activation_bytes \
+                    if local == 0 else 0.0
             need = state + max(sum(n * a for n, a in zip(moment, acts)) for moment in held) + transient
             if need > memory:
                 memory, where = need, f"{module} pipeline rank {local}"
@@ -139,9 +144,8 @@ class Screener:
         p, ev = self.p, self.ev
         model, hw = p.model, p.cluster.hardware
         layers = {m: plan.stage_layers(m, model) for m in MODULES}
-        colocated = plan.colocated
         groups = plan_groups(plan)
-        virtual = plan.virtual_stages if colocated else 1
+        virtual = plan.virtual_stages if plan.shares_gpus else 1
         held = inflight_by_stage(plan.schedule, len(groups) * virtual, plan.microbatches, virtual)
         per_bin = ev.pool.size / plan.bins
         avg_tokens = per_bin * ev.mean_tokens
@@ -167,15 +171,52 @@ class Screener:
             rank_i.append(i)
             rank_w.append(w)
             params, state = self._group_state(plan, layers, module, stages, tp)
+            if plan.heterogeneous:
+                state += self._phase_state(plan)
             out.append((module, local, stages, specs, state, held[group.index]))
             comm = self._group_comm(plan, module, local, stages, params)
             if comm is not None:
                 rank_time[-1] += self._exposed(plan, comm, parts, i + w) / plan.microbatches
         estimate = closed_form(plan, virtual, rank_time, rank_f, rank_i, rank_w)
+        if plan.heterogeneous:
+            estimate += self._phase_time(plan)
         hidden = model.llm.hidden * p.training.activation_bytes * avg_tokens / plan.llm.tp
         estimate += 2 * (len(groups) - 1) * float(p2p_time(hidden, hw.inter_node_bandwidth * plan.llm.tp,
                                                       hw.inter_node_latency))
         return estimate, self.bound(plan), out
+
+    def _phase_spec(self, plan: Plan) -> StageSpec:
+        return StageSpec(Module.ENCODER, self.p.model.encoder.layers, plan.encoder.tp, first=True, last=True,
+                         recompute=plan.recompute)
+
+    def _phase_time(self, plan: Plan) -> float:
+        """A heterogeneous encoder phase on average chunks (ENCODE, and ENCODE_B's forward again and
+        backward), and its gradient reduction's tail."""
+        ev, m = self.ev, plan.microbatches
+        chunk = ev.pool.size / (plan.encoder.dp * m)
+        f, i, w, _, _ = self._stage(self._phase_spec(plan), (chunk, chunk * ev.mean_tiles, 0, 0))
+        params = stage_params(self.p.model, self._phase_spec(plan))
+        comm = self._group_comm(plan, Module.ENCODER, 0, (0,), params)
+        return m * (2 * f + i + w) + (self._exposed(plan, comm, {}, i + w) if comm is not None else 0.0)
+
+    def _phase_state(self, plan: Plan) -> float:
+        """The encoder replica's weights, gradients and optimizer state on every GPU."""
+        key = ("phase", plan.encoder, plan.zero, plan.fp32_grads)
+        if key not in self._state:
+            spec = self._phase_spec(plan)
+            self._state[key] = (0.0, float(sum(state_bytes(
+                stage_params(self.p.model, spec), plan.encoder.tp, plan.encoder.dp, plan.zero, self.p.training,
+                layer_params(self.p.model, Module.ENCODER), fp32_grads=plan.fp32_grads))))
+        return self._state[key][1]
+
+    def _phase_chunk(self, plan: Plan) -> float:
+        """Bytes a chunk of the phase holds while it runs, at the largest replica share (LPT: the mean
+        plus one sample)."""
+        ev, m = self.ev, plan.microbatches
+        tiles = (ev.heaviest_tiles / plan.encoder.dp + ev.max_tiles) / m
+        samples = ev.pool.size / (plan.encoder.dp * m) + 1
+        _, _, _, act, transient = self._stage(self._phase_spec(plan), (samples, tiles, 0, 0))
+        return act + transient
 
     def bound(self, plan: Plan) -> float:
         """The plan's proven lower bound, once per pipeline shape: it reads neither the memory

@@ -161,7 +161,7 @@ class Optimizer:
             return False
 
         what = f"{space.name} {batching}"
-        for placement in (Placement.COLOCATED, Placement.DISAGGREGATED):
+        for placement in (Placement.COLOCATED, Placement.HETEROGENEOUS, Placement.DISAGGREGATED):
             if ranked and self.late():
                 self.skipped.append(f"{what} {placement} plans")
                 continue
@@ -297,12 +297,15 @@ class Optimizer:
         mine = [self.search(s) for s in spaces]
         stats = {f"{r.space}:{r.batching}": r.stats for r in mine}
         pool = self._settle(sorted((e for r in mine for e in r.ranked), key=score)[:self.confirm_top])
+        pool += self._settle(sorted((e for r in mine for e in r.ranked if not e.plan.heterogeneous), key=score)[:1])
         base, base_stats = self.baselines(baselines, rules)
         stats.update(base_stats)
         pool += [e for b in base for e in (b.best, b.balanced) if e is not None]
         unique = {(e.plan, e.batching, e.within): e for e in sorted(pool, key=score, reverse=True)}
         ranked = sorted(unique.values(), key=score)
         result = OptimizeResult(ranked[0], ranked[1:6], base, stats, 0.0, self.ideal(), self.p.cluster.hardware)
+        if ranked[0].plan.heterogeneous:  # the layout gain is over the best plan without an encoder phase
+            result.homogeneous = min((e for e in ranked if not e.plan.heterogeneous), key=score, default=None)
         if self.confirm is not None and self.late():
             self.skipped.append("the SimPy confirmation")
         else:

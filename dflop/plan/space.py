@@ -22,14 +22,15 @@ one pipeline rank always runs 1F1B with one virtual stage.
 - ``PYTORCH`` (FSDP2 / DeepSpeed, as torchtitan and LLaVA's trainer run them):
   one colocated stage, TP optional; DDP, ZeRO-2, FSDP (ZeRO-3) or HSDP.
 - ``DFLOP``: everything above, plus encoder and LLM planned independently on
-  separate GPUs, any layer split (balanced by cost), every schedule of torch's
+  separate GPUs, or on the same GPUs with the encoder in a phase of its own
+  (heterogeneous: its own TP and DP on every GPU), any layer split (balanced by cost), every schedule of torch's
   that dflop generates (zero-bubble, LoopedBFS, and the V-shaped ZBVZeroBubble
   and DualPipeV, whose rank 0 holds the first and the last stage) with the
   microbatch counts its generator takes, ZeRO-1 everywhere and bf16 gradient
   buffers. Every space picks its recomputation (none, selective, full) per plan.
 
 Schedules with several stages per rank (two: virtual stages in loops, or a V)
-need colocated placement.
+need colocated or heterogeneous placement.
 
 A space lists what it allows; ``variants`` drops the choices that can never be
 faster than another the same space allows (``prove_dominated`` says why), so
@@ -70,6 +71,8 @@ class Encoder(str, Enum):
     """Own pipeline stages on every LLM replica, own TP up to the LLM's (Megatron)."""
     FREE = "free"
     """Own GPUs with its own TP, PP and DP (dflop's disaggregated plans)."""
+    PHASE = "phase"
+    """Every GPU, with its own TP and DP, as a phase around the LLM's pipeline (heterogeneous)."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ def _kinds(*names: str) -> tuple[ScheduleKind, ...]:
     return tuple(schedule_kind(n) for n in names)
 
 
-DFLOP = Space("dflop", (Encoder.STAGE, Encoder.FREE),
+DFLOP = Space("dflop", (Encoder.STAGE, Encoder.FREE, Encoder.PHASE),
               _kinds("1F1B", "ZBH1", "Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS", "ZBVZeroBubble",
                      "DualPipeV"),
               (Layers.EVEN, Layers.FIRST_LAST, Layers.BALANCED), (0, 1, 2, 3), True, (False, True))
@@ -229,6 +232,8 @@ class SpaceBuilder:
         placement = Placement(placement)
         if placement is Placement.COLOCATED:
             bases = self._colocated(space)
+        elif placement is Placement.HETEROGENEOUS:
+            bases = self._heterogeneous(space) if Encoder.PHASE in space.encoder else iter(())
         else:
             bases = self._disaggregated(space, skip_split or (lambda e: False))
         for base in bases:
@@ -242,11 +247,12 @@ class SpaceBuilder:
         for kind in space.schedules:
             yield kind.name, kind.stages_per_rank or 2
 
-    def _colocated(self, space: Space) -> Iterator[Plan]:
+    def _llm_layouts(self, space: Space, encoder_tp: Callable[[int], int | None]
+                     ) -> Iterator[tuple[int, int, int, str, int, int, tuple[int, ...]]]:
+        """(tp, pp, dp, schedule, virtual stages, microbatches, layer split) of every LLM layout on all
+        the GPUs; the first stage's split costed with the encoder at ``encoder_tp(tp)`` (None: without)."""
         model = self.p.model
         for tp in self.llm_tp:
-            if model.encoder.heads % tp:
-                continue
             for pp in self._pp_options(model.llm.layers, PP_OPTIONS):
                 if self.n % (tp * pp) or pp > space.max_pp:
                     continue
@@ -257,11 +263,24 @@ class SpaceBuilder:
                     for m in self.microbatches(space, dp, pp, schedule, virtual):
                         bin_samples = self.batch / (dp * m)
                         for split in self._splits_of(space, lambda how: self.llm_split(
-                                tp, pp * virtual, bin_samples, tp, how)):
-                            yield Plan(encoder=ModulePlan(tp=tp, dp=dp),
-                                       llm=ModulePlan(tp=tp, pp=pp, dp=dp, layers_per_stage=split),
-                                       placement=Placement.COLOCATED, microbatches=m, schedule=schedule,
-                                       virtual_stages=virtual)
+                                tp, pp * virtual, bin_samples, encoder_tp(tp), how)):
+                            yield tp, pp, dp, schedule, virtual, m, split
+
+    def _colocated(self, space: Space) -> Iterator[Plan]:
+        heads = self.p.model.encoder.heads
+        for tp, pp, dp, schedule, virtual, m, split in self._llm_layouts(space, lambda tp: tp):
+            if heads % tp == 0:
+                yield Plan(encoder=ModulePlan(tp=tp, dp=dp), llm=ModulePlan(tp=tp, pp=pp, dp=dp, layers_per_stage=split),
+                           placement=Placement.COLOCATED, microbatches=m, schedule=schedule, virtual_stages=virtual)
+
+    def _heterogeneous(self, space: Space) -> Iterator[Plan]:
+        """Every LLM layout, with the encoder on all the GPUs at every TP that tiles the LLM's."""
+        for tp, pp, dp, schedule, virtual, m, split in self._llm_layouts(space, lambda tp: None):
+            for etp in (t for t in self.enc_tp if t % tp == 0 or tp % t == 0):
+                yield Plan(encoder=ModulePlan(tp=etp, dp=self.n // etp),
+                           llm=ModulePlan(tp=tp, pp=pp, dp=dp, layers_per_stage=split),
+                           placement=Placement.HETEROGENEOUS, microbatches=m, schedule=schedule,
+                           virtual_stages=virtual)
 
     def encoder_gpu_options(self, llm_tp: int) -> list[int]:
         """GPUs the encoder may get: any count on small clusters, whole nodes from 4 nodes up, and

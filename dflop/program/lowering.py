@@ -245,8 +245,9 @@ def place_collectives(linked: Linked) -> StepGraph:
         at = ids.index(compute)
         if before:
             unshard.setdefault(compute, []).append(n)
-            while at > 0 and nodes[ids[at - 1]].kind.is_recv and nodes[ids[at - 1]].op == nodes[n].op:
-                at -= 1  # before the receives it feeds too
+            while nodes[n].stage < 0 and at > 0 and nodes[ids[at - 1]].kind.is_recv \
+                    and nodes[ids[at - 1]].op == nodes[n].op:
+                at -= 1  # a collective of the whole job: before the receives of its op, which wait on it
         else:
             anchor[n] = compute
             at += 1

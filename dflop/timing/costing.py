@@ -335,6 +335,7 @@ class _Costing:
                 encode, back = ops[0], ops[-1]
                 duration.table[encode, :r], duration.table[back, :r] = work.forward[mine], work.backward[mine]
                 transient.table[encode, :r] = transient.table[back, :r] = work.chunk_bytes[mine]
+                alloc.table[encode, :r] = free.table[back, :r] = work.embeddings[mine]
                 flops.table[encode, :r], flops.table[back, :r] = work.flops[mine], 2 * work.flops[mine]
                 hw_flops.table[encode, :r] = work.flops[mine]
                 hw_flops.table[back, :r] = 3 * work.flops[mine] + work.recompute_flops[mine]

@@ -10,7 +10,9 @@ replicas, independently of its LLM bin) and its embeddings travel to the LLM
 stage-0 rank of its bin's replica; the all-to-all takes as long as the busiest
 rank's sends or receives, pair by pair over the link between the two ranks.
 The encoder's gradients are reduced over its own replicas after ENCODE_B, in
-buckets that overlap it, as the LLM's are after its last backward.
+buckets that overlap its last chunk, as the LLM's overlap its last backward. A stage-0
+rank holds the embeddings it receives and their gradients from the all-to-all
+until ENCODE_B.
 
 The phase keeps no activations through the LLM's pipeline: ENCODE runs its
 samples in ``microbatches`` chunks, keeping only the embeddings it sends (and
@@ -49,6 +51,9 @@ class EncoderWork:
     """ns of each worker's ENCODE_B."""
     chunk_bytes: np.ndarray
     """Bytes per GPU one chunk holds while ENCODE or ENCODE_B runs it (nothing is held between them)."""
+    embeddings: np.ndarray
+    """Bytes per GPU a stage-0 rank holds from ENCODE to ENCODE_B: the embeddings it receives (every TP
+    rank a whole copy) and their gradients."""
     flops: np.ndarray
     """Model FLOPs per GPU of ENCODE (ENCODE_B: twice as many, and ENCODE's again, recomputed)."""
     recompute_flops: np.ndarray
@@ -96,9 +101,11 @@ class EncoderPhase:
         rank = encoder_ranks(batch.tiles, plan.encoder.dp)
         tiles = np.bincount(rank, weights=batch.tiles.astype(float), minlength=plan.encoder.dp)
         samples = np.bincount(rank, weights=(batch.tiles > 0).astype(float), minlength=plan.encoder.dp)
-        cost = b.cost.stage_cost(self.spec, WorkShape(samples, tiles))
-        fields = {f: np.broadcast_to(np.asarray(getattr(cost, f), dtype=float), tiles.shape)
+        chunk = b.cost.stage_cost(self.spec, WorkShape(samples / b.m, tiles / b.m))  # as the phase runs them
+        fields = {f: np.broadcast_to(np.asarray(getattr(chunk, f), dtype=float), tiles.shape)
                   for f in ("fwd", "bwd", "act_bytes", "transient_bytes", "flops", "recompute_flops")}
+        for f in ("fwd", "bwd", "flops", "recompute_flops"):
+            fields[f] = fields[f] * b.m
 
         def most(field: str) -> np.ndarray:
             return np.array([max((fields[field][j] for j, _ in mine), default=0.0) for mine in self.touch])
@@ -110,19 +117,22 @@ class EncoderPhase:
             return np.array([sum(values[j] for j, _ in mine) for mine in self.touch])
 
         fields["again"] = fields["fwd"] + fields["bwd"]  # ENCODE_B: each chunk's forward, then its backward
-        fields["chunk"] = (fields["act_bytes"] + fields["transient_bytes"]) / b.m
-        return EncoderWork(to_ns(most("fwd")), to_ns(most("again")), most("chunk"),
+        fields["chunk"] = fields["act_bytes"] + fields["transient_bytes"]
+        exchange, received = self._exchange(batch, assignment, rank)
+        return EncoderWork(to_ns(most("fwd")), to_ns(most("again")), most("chunk"), 2 * received,
                            per_gpu(fields["flops"]), per_gpu(fields["recompute_flops"]),
-                           held(samples), held(tiles), self._exchange(batch, assignment, rank))
+                           held(samples), held(tiles), exchange)
 
-    def _exchange(self, batch: SampleTable, assignment: np.ndarray, rank: np.ndarray) -> int:
-        """ns of one all-to-all: every image sample's embeddings from its encoder replica's worker to
-        its LLM replica's stage-0 worker; the busiest worker's sends or receives, one after another."""
+    def _exchange(self, batch: SampleTable, assignment: np.ndarray, rank: np.ndarray) -> tuple[int, np.ndarray]:
+        """ns of one all-to-all (every image sample's embeddings from its encoder replica's worker to
+        its LLM replica's stage-0 worker; the busiest worker's sends or receives, one after another),
+        and the bytes each worker receives (its own included)."""
         b, hw = self.builder, self.hardware
         workers = len(self.touch)
         src = self.host[rank]
         dst = self.first_stage[assignment // b.m]
         nbytes = batch.image_tokens.astype(float) * b.model.llm.hidden * b.training.activation_bytes
+        received = np.bincount(dst, weights=nbytes, minlength=workers)
         moved = (src != dst) & (nbytes > 0)
         pairs, at = np.unique(src[moved] * workers + dst[moved], return_inverse=True)
         pair_bytes = np.bincount(at, weights=nbytes[moved], minlength=len(pairs))
@@ -132,20 +142,20 @@ class EncoderPhase:
                            np.where(within, hw.intra_node_latency, hw.inter_node_latency))
         busiest = max(np.bincount(sender, weights=seconds, minlength=workers).max(initial=0.0),
                       np.bincount(receiver, weights=seconds, minlength=workers).max(initial=0.0))
-        return int(to_ns(busiest))
+        return int(to_ns(busiest)), received
 
     def collective(self, spec: CollectiveSpec, work: EncoderWork, duration, slowdown: float) -> TimedCollective:
         """Price one of the phase's collectives; the encoder's reduction slows the ENCODE_B it overlaps
         (``duration``, per op and replica, in place), as ``dpcomm.reduction`` does the LLM's."""
-        groups = self.builder.t.groups
         if spec.kind is not Kind.REDUCE_ENCODER_GRAD:
             return TimedCollective(spec.kind, -1, spec.op, work.exchange,
                                    np.zeros(len(self.touch), dtype=np.int64), spec.ops)
         seconds = self.comm.reduce + self.comm.gather
         lags = []
-        for g, op in zip(groups, spec.ops):
+        for op in spec.ops:
             backward = duration[op] / NS
-            lag = bucket_lag(backward, seconds, self.comm.buckets)
+            last = backward / self.builder.m  # the gradients are whole only in the last chunk's backward
+            lag = backward - last + bucket_lag(last, seconds, self.comm.buckets)
             duration[op] = duration[op] + to_ns(bucket_slowdown(backward, seconds, lag, slowdown))
             lags.append(to_ns(lag))
         return TimedCollective(spec.kind, -1, spec.op, int(to_ns(seconds)), np.concatenate(lags), spec.ops)

@@ -8,7 +8,9 @@ once, in far fewer numpy calls than there are ops. A group's data-parallel
 collectives run on one stream shared by its replicas, so each is a scalar: an UNSHARD starts once the stream is free and
 every replica finished its previous op, and its op waits for it; a REDUCE_GRAD
 starts once the stream is free and ``lag`` after its anchor started on every
-replica. Without link contention this is exactly what the SimPy simulator
+replica. A collective of the whole job (a heterogeneous encoder's all-to-alls and
+reduction) runs on every group's stream at once, once all its members can.
+Without link contention this is exactly what the SimPy simulator
 computes (tests hold them equal, nanosecond for nanosecond); the optimizer
 uses it in its inner loop.
 """
