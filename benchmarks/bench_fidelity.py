@@ -53,6 +53,8 @@ PLANS = {
                               schedule="ZBVZeroBubble", virtual_stages=2),
     "disaggregated encoder 1 + llm 1": dict(encoder={}, llm={}, placement="disaggregated", microbatches=2),
     "tp2 (colocated)": dict(encoder={"tp": 2}, llm={"tp": 2}, placement="colocated", microbatches=1),
+    "pp2 heterogeneous encoder dp2": dict(encoder={"dp": 2}, llm={"pp": 2}, placement="heterogeneous",
+                                          microbatches=4),
 }
 
 

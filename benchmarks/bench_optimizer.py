@@ -37,6 +37,7 @@ SETTINGS = (
     ("siglip-so400m", "qwen2.5-32b", "image-heavy", 64),
     ("siglip-so400m", "qwen2.5-72b", "llava-ov", 128),
     ("internvit-6b", "qwen2.5-7b", "video-heavy", 32),
+    ("internvit-6b", "qwen2.5-7b", "video-heavy", 64),
     ("internvit-6b", "qwen2.5-72b", "llava-ov", 64),
 )
 QUICK = SETTINGS[:2]

@@ -189,13 +189,14 @@ def test_simulate_runs_a_heterogeneous_plan_file(tmp_path):
                                      "--out", tmp_path / "s2"), "runs the encoder unpipelined")
 
 
-def test_the_torch_backend_refuses_a_heterogeneous_plan_before_it_removes_anything(tmp_path):
+def test_the_torch_backend_refuses_a_heterogeneous_plan_it_cannot_run_before_it_removes_anything(tmp_path):
     plan = tmp_path / "het.yaml"
-    plan.write_text("encoder: {tp: 1, dp: 2}\nllm: {tp: 1, pp: 1, dp: 2}\nplacement: heterogeneous\nmicrobatches: 2\n")
+    plan.write_text("encoder: {tp: 2, dp: 1}\nllm: {tp: 1, pp: 1, dp: 2}\nplacement: heterogeneous\nmicrobatches: 2\n")
     out = tmp_path / "run"
     out.mkdir()
     earlier = out / "dflop.result.json"
     earlier.write_text("{}")  # what an earlier run left
     ran = dflop_here("run", "--backend", "torch", "--plan", plan, "--out", out, "--no-calibrate")
-    assert_one_line_error(ran, "plan field placement: the torch backend does not run a heterogeneous encoder phase")
+    assert_one_line_error(ran, "plan field placement: the torch backend runs a heterogeneous encoder phase with tp 1 "
+                               "for the encoder and the LLM and ZeRO 0 or 1 (got encoder tp 2, llm tp 1, zero 1)")
     assert earlier.read_text() == "{}"

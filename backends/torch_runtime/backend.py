@@ -355,6 +355,7 @@ class TorchBackend:
             extra["predicted_trace"] = predicted.trace
         if self.keep_parameters:
             extra["parameters"] = {name: t for r in results.values() for name, t in r.parameters.items()}
+            extra["rank_parameters"] = {r.rank: r.parameters for r in results.values()}  # each rank's own copies
             extra["weights_read"] = {r.rank: r.weights_read for r in results.values()}
         return BackendResult(doc, metrics(doc), per_step, extra)
 
@@ -404,9 +405,10 @@ def refuse_unsupported(plan: Plan, options: TorchOptions) -> None:
     gradients wider than the parameters; the backend keeps gradients in the parameters' dtype,
     which in float32 and float64 runs is already that wide (so there the field changes nothing),
     but not in 16-bit ones."""
-    if plan.heterogeneous:
-        raise DflopError("plan field placement: the torch backend does not run a heterogeneous encoder phase "
-                         "yet (the simulator does: dflop simulate --plan); use colocated or disaggregated")
+    if plan.heterogeneous and (plan.encoder.tp != 1 or plan.llm.tp != 1 or plan.zero > 1):
+        raise DflopError(f"plan field placement: the torch backend runs a heterogeneous encoder phase with tp 1 "
+                         f"for the encoder and the LLM and ZeRO 0 or 1 (got encoder tp {plan.encoder.tp}, llm tp "
+                         f"{plan.llm.tp}, zero {plan.zero}); the simulator runs any: dflop simulate --plan")
     if plan.fp32_grads and options.dtype in (DType.BFLOAT16, DType.FLOAT16):
         raise DflopError(f"plan field fp32_grads: the torch backend keeps gradients in the parameters' dtype "
                          f"({options.dtype}), not in fp32 buffers; run with execution dtype float32 or float64, or "

@@ -141,7 +141,8 @@ def all_reduce_grads(params: list[nn.Parameter], group, bucket_bytes: int = BUCK
     Every replica must reduce the same buffers, but a parameter may get no gradient on some replica
     (an image-only part on a replica with no images): it reduces zeros there, and keeps no gradient
     where no replica had one, so the optimizer treats it as the sequential run would."""
-    had = torch.tensor([float(p.grad is not None) for p in params])
+    had = torch.tensor([float(p.grad is not None) for p in params],  # on the group's device (NCCL: CUDA only)
+                       device=params[0].device if params else None)
     dist.all_reduce(had, group=group)
     for p in params:
         if p.grad is None:

@@ -11,7 +11,10 @@ point-to-point (a receive is waited for just before its consumer, sends at the
 end of the step); the bridge moves each sample's image tokens between the
 encoder replica that encoded it and the LLM replica that owns it; REDUCE_GRAD
 sums gradients over data parallelism where FSDP2 does not (ZeRO-0/1), and
-UNSHARD marks FSDP2's gathers.
+UNSHARD marks FSDP2's gathers. A heterogeneous encoder phase runs on every rank:
+ENCODE without autograd, one ``all_to_all_single`` each way (embeddings to the
+LLM's first stage, their gradients back), ENCODE_B recomputing before its
+backward, and REDUCE_ENCODER_GRAD over every encoder replica.
 
 Every node is timed (monotonic nanoseconds on CPU, CUDA events on GPU). A
 failure names the rank, the step and the node, and shows the worker's list
@@ -97,14 +100,32 @@ class RankState:
     image_size: int
     vocab: int
     strategy: Strategy
+    phase: "EncoderPhase | None" = None
+    """Heterogeneous placement: the encoder replica this rank also runs, in a phase of its own."""
 
-    def parameters(self) -> list[nn.Parameter]:
+    def pipeline_parameters(self) -> list[nn.Parameter]:
+        """The parameters of its pipeline stages (a colocated encoder's included)."""
         mods = list(self.stages.values()) + ([self.colocated_encoder] if self.colocated_encoder is not None else [])
         seen: dict[int, nn.Parameter] = {}
         for m in mods:
             for p in m.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.pipeline_parameters() + (list(self.phase.encoder.parameters()) if self.phase is not None else [])
+
+
+@dataclass
+class EncoderPhase:
+    """A rank's encoder replica of a heterogeneous plan: its module, its index, the group its gradients
+    are reduced over (every replica), and the rank of each LLM replica's first stage."""
+
+    encoder: nn.Module
+    replica: int
+    group: Any
+    first_stage: tuple[int, ...]
+    """Per LLM replica: the torch rank of its stage 0 (where its samples' embeddings go)."""
 
 
 @dataclass
@@ -157,6 +178,9 @@ class RankStep:
     within ``inputs_s``."""
     undecodable: dict[str, str] = field(default_factory=dict)
     """Samples whose media this rank could not make into inputs: id -> why."""
+    exchange: dict[str, Any] = field(default_factory=dict)
+    """A heterogeneous encoder phase's tensors: its embeddings, what the all-to-all brought, the
+    per-microbatch leaves the LLM's first stage read, the gradients going back."""
 
     @property
     def t(self):  # noqa: ANN201 - Template
@@ -171,7 +195,10 @@ class RankStep:
         from its start; a receive is posted (its end is marked when its consumer waits for it).
         OVERLAP_F_B has none: the step graph holds its halves as two nodes."""
         after_inputs = {Kind.F: self.forward, Kind.B: self.backward, Kind.I: self.backward, Kind.W: self.weight,
-                        Kind.REDUCE_GRAD: self.reduce_grad, Kind.UNSHARD: self.sharded, Kind.RESHARD: self.sharded}
+                        Kind.REDUCE_GRAD: self.reduce_grad, Kind.UNSHARD: self.sharded, Kind.RESHARD: self.sharded,
+                        Kind.ENCODE: self.encode, Kind.ALL_TO_ALL_F: self.exchange_forward,
+                        Kind.ALL_TO_ALL_B: self.exchange_backward, Kind.ENCODE_B: self.encode_backward,
+                        Kind.REDUCE_ENCODER_GRAD: self.reduce_encoder_grad}
         table = {kind: self._timed(run, wait=True) for kind, run in after_inputs.items()}
         for kind in Kind:
             if kind.is_send:
@@ -242,6 +269,8 @@ class RankStep:
             return layout.send_to(node.peer)
         if node.kind is Kind.REDUCE_GRAD and not self.w.strategy.runs_as_fsdp2:
             return [r for r in dist.get_process_group_ranks(self.w.dp_group) if r != layout.rank]
+        if node.kind in (Kind.ALL_TO_ALL_F, Kind.ALL_TO_ALL_B, Kind.REDUCE_ENCODER_GRAD):
+            return [r for r in dist.get_process_group_ranks(self.w.phase.group) if r != layout.rank]
         waiting = [n] if node.kind.is_recv else [d for d in self.graph.inputs[n] if d in self.recv_marks][:1]
         return [layout.recv_from(self.graph.nodes[d].peer) for d in waiting]
 
@@ -281,6 +310,9 @@ class RankStep:
         those of ``decoded`` when given (decoded ahead), else decoded here."""
         for n in self.graph.order[self.w.graph_worker]:
             node = self.graph.nodes[n]
+            if node.kind is Kind.ENCODE:
+                for chunk in self.data.phase_chunks(self.w.phase.replica):
+                    self.inputs_of(chunk, pixels=True)
             if node.kind is not Kind.F:
                 continue
             module, stage = self.t.module_stage(node.stage)
@@ -327,7 +359,7 @@ class RankStep:
             return torch.zeros(0, 3, self.w.image_size, self.w.image_size)
         if sample_id not in self.decoded:
             raise DflopError(f"rank {self.w.layout.rank}, step {self.step}: sample {sample_id!r} feeds pixels here, "
-                             "but its media were not decoded ahead (StepData.pixel_rows left it out)")
+                             "but its media were not decoded ahead (StepData.pixel_rows or phase_rows left it out)")
         got = self.decoded[sample_id]
         if isinstance(got, str):
             raise MediaError(got)
@@ -441,6 +473,8 @@ class RankStep:
             pixels, _ = self.inputs_of(enc_rows, pixels=True)
             return self.w.colocated_encoder(pixels, self.data.tiles(enc_rows), self.data.image_tokens(enc_rows),
                                             self.data.images(enc_rows)), []
+        if self.w.phase is not None:  # what the all-to-all brought, one leaf per microbatch
+            return self.phase_input(rows)
         total = int(self.data.batch.image_tokens[rows].sum())
         image = torch.zeros(total, self.hidden[Module.LLM], device=self.w.device, dtype=self.dtype)
         leaves = {}
@@ -539,7 +573,89 @@ class RankStep:
         both run as FSDP2, which reduce-scatters each unit's gradients in its own backward hooks
         as that backward produces them, so the node only marks where the plan expects it."""
         if not self.w.strategy.runs_as_fsdp2:
-            all_reduce_grads(self.w.parameters(), self.w.dp_group)
+            all_reduce_grads(self.w.pipeline_parameters(), self.w.dp_group)
+
+    # ---- a heterogeneous encoder phase --------------------------------------------------------------
+
+    def phase_run(self, rows: np.ndarray) -> torch.Tensor:
+        """The encoder replica on ``rows``: their image tokens, laid end to end."""
+        pixels, _ = self.inputs_of(rows, pixels=True)
+        return self.w.phase.encoder(pixels, self.data.tiles(rows), self.data.image_tokens(rows),
+                                    self.data.images(rows))
+
+    def encode(self, n: int, node: Node) -> None:
+        """ENCODE: this replica's samples, chunk by chunk, keeping only their embeddings (ENCODE_B runs
+        each chunk again before its backward)."""
+        with torch.no_grad():
+            outs = [self.phase_run(c) for c in self.data.phase_chunks(self.w.phase.replica)]
+        self.exchange["encoded"] = torch.cat(outs) if outs else torch.zeros(0, self.hidden[Module.LLM],
+                                                                            device=self.w.device, dtype=self.dtype)
+
+    def routes(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Rows this replica sends to each rank, and rows each rank sends here, in the all-to-all's order
+        (by rank, each in its sender's batch order): the same on every rank, from the schedule alone."""
+        phase, data = self.w.phase, self.data
+        world = dist.get_world_size(phase.group)
+        dest = np.asarray(phase.first_stage)[data.assignment // data.m]
+        has = data.batch.image_tokens > 0  # of the rows with tiles: ``phase_rows``
+        mine = self.w.layout.rank
+        sent = [r for r in data.phase_rows(phase.replica) if has[r]]
+        out = [np.array([r for r in sent if dest[r] == d], dtype=np.int64) for d in range(world)]
+        inc = [np.array([r for r in data.phase_rows(j) if has[r] and dest[r] == mine], dtype=np.int64)
+               for j in range(world)]
+        return out, inc
+
+    def exchange_forward(self, n: int, node: Node) -> None:
+        """ALL_TO_ALL_F: every replica's embeddings to the LLM stage-0 rank of their samples' bins."""
+        out_rows, in_rows = self.routes()
+        tokens = self.data.batch.image_tokens
+        mine = self.data.phase_rows(self.w.phase.replica)
+        order = self.token_rows(mine, np.concatenate(out_rows)) if len(mine) else torch.zeros(0, dtype=torch.long)
+        send = self.exchange["encoded"].index_select(0, order.to(self.w.device))
+        got = torch.empty(int(sum(tokens[r].sum() for r in in_rows)), self.hidden[Module.LLM], device=self.w.device,
+                          dtype=self.dtype)
+        splits = ([int(tokens[r].sum()) for r in out_rows], [int(tokens[r].sum()) for r in in_rows])
+        dist.all_to_all_single(got, send.contiguous(), splits[1], splits[0], group=self.w.phase.group)
+        self.exchange.update(received=got, received_rows=np.concatenate(in_rows), order=order, splits=splits,
+                             leaves=[])
+
+    def phase_input(self, rows: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The image tokens of an LLM bin's ``rows`` from what the all-to-all brought, as one leaf (its
+        gradient goes back through ALL_TO_ALL_B)."""
+        have = self.exchange["received_rows"]
+        b = self.data.batch
+        want = rows[(b.image_tokens[rows] > 0) & (b.tiles[rows] > 0)]  # as ``routes`` sends them
+        idx = self.token_rows(have, want) if len(want) else torch.zeros(0, dtype=torch.long, device=self.w.device)
+        leaf = self.exchange["received"].index_select(0, idx).requires_grad_(True)
+        self.exchange["leaves"].append((leaf, idx))
+        return leaf, [leaf] if len(want) else []
+
+    def exchange_backward(self, n: int, node: Node) -> None:
+        """ALL_TO_ALL_B: the gradients of what ALL_TO_ALL_F brought, back to the replicas that encoded it."""
+        got = self.exchange["received"]
+        grad = torch.zeros_like(got)
+        for leaf, idx in self.exchange["leaves"]:
+            if leaf.grad is not None:
+                grad.index_add_(0, idx, leaf.grad)
+        send_splits, recv_splits = self.exchange["splits"]
+        back = torch.empty(sum(send_splits), got.shape[1], device=self.w.device, dtype=self.dtype)
+        dist.all_to_all_single(back, grad, send_splits, recv_splits, group=self.w.phase.group)
+        encoded = self.exchange["encoded"]
+        self.exchange["grad"] = torch.zeros_like(encoded).index_copy(0, self.exchange["order"].to(self.w.device), back)
+
+    def encode_backward(self, n: int, node: Node) -> None:
+        """ENCODE_B: each chunk's forward again, then its backward from its embeddings' gradients."""
+        grad, at = self.exchange["grad"], 0
+        for chunk in self.data.phase_chunks(self.w.phase.replica):
+            out = self.phase_run(chunk)
+            part = grad[at:at + len(out)]
+            at += len(out)
+            if out.requires_grad:
+                torch.autograd.backward(out, grad_tensors=part)
+
+    def reduce_encoder_grad(self, n: int, node: Node) -> None:
+        """REDUCE_ENCODER_GRAD: the encoder's gradients summed over its replicas."""
+        all_reduce_grads(list(self.w.phase.encoder.parameters()), self.w.phase.group)
 
     def sharded(self, n: int, node: Node) -> None:
         """UNSHARD (ZeRO-3, before every forward and backward): FSDP2 gathers a unit's weights in

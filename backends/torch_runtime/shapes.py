@@ -15,7 +15,7 @@ from functools import cached_property
 
 import numpy as np
 
-from dflop.program.routing import encoder_replicas
+from dflop.program.routing import encoder_ranks, encoder_replicas
 from dflop.specs.plan import Module, Plan
 from dflop.workload.chat import Encoded
 from dflop.workload.pixels import ImageRef, VideoRef
@@ -66,6 +66,19 @@ class StepData:
             return np.zeros(0, dtype=np.int64)
         rows = np.concatenate([self.llm_rows(replica, k) for k in range(self.m)])
         return rows[self.batch.tiles[rows] > 0]
+
+    @cached_property
+    def phase_replica(self) -> np.ndarray:
+        """Heterogeneous placement: the encoder replica of every sample (``routing.encoder_ranks``)."""
+        return encoder_ranks(self.batch.tiles, self.plan.encoder.dp)
+
+    def phase_rows(self, j: int) -> np.ndarray:
+        """Samples with tiles that encoder replica j encodes in a heterogeneous encoder phase, in batch order."""
+        return np.flatnonzero((self.phase_replica == j) & (self.batch.tiles > 0))
+
+    def phase_chunks(self, j: int) -> list[np.ndarray]:
+        """``phase_rows(j)`` in the phase's chunks (as many as microbatches, the empty ones left out)."""
+        return [c for c in np.array_split(self.phase_rows(j), self.m) if len(c)]
 
     def bridge_rows(self, j: int, r: int, k: int) -> np.ndarray:
         """Samples with images that encoder replica j sends to LLM replica r in microbatch k."""

@@ -41,7 +41,7 @@ from dflop.backends.torch_runtime.progress import ProgressFile
 from dflop.backends.torch_runtime.recompute import block_runner
 from dflop.backends.torch_runtime.parallel import (Groups, RankLayout, fully_shard_stage, local, make_optimizer,
                                                    tensor_parallel)
-from dflop.backends.torch_runtime.runtime import CONNECTION_LOST, Clock, RankStep, RankState
+from dflop.backends.torch_runtime.runtime import CONNECTION_LOST, Clock, EncoderPhase, RankStep, RankState
 from dflop.backends.torch_runtime.shapes import StepData
 
 
@@ -111,7 +111,7 @@ def _stage_modules(plan: Plan, model: MLLMSpec, template: Template, worker: int,
     for s in w.stages:
         stages[s + offset] = build_stage(model, w.module, s, layers, seed).to(device=device, dtype=dtype)
     encoder = None
-    if plan.strategy.carries_encoder(w.module, w.stages):
+    if plan.strategy.carries_encoder(w.module, w.stages) or plan.heterogeneous:  # heterogeneous: on every rank
         encoder = build_stage(model, Module.ENCODER, 0, (model.encoder.layers,), seed).to(device=device, dtype=dtype)
     return stages, encoder
 
@@ -158,8 +158,16 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[RankState
         if plan.strategy.runs_as_fsdp2 and mp.dp > 1:
             fully_shard_stage(module, groups.fsdp_mesh(gw.module, shards),
                               reshard_after_forward=plan.strategy.reshards_after_forward)
-    worker = RankState(layout.worker, layout, stages, encoder, dp_mesh.get_group(), device, opts.seed,
-                    model.encoder.image_size, model.llm.vocab, plan.strategy)
+    phase = None
+    if plan.heterogeneous:  # the encoder is this rank's replica of a phase of its own, not part of a stage
+        gpus = place(plan)
+        group = groups.meshes[Module.ENCODER]["dp"].get_group()
+        # with tp 1, encoder replica j is rank j, and rank j in the group's all-to-all order
+        assert dist.get_process_group_ranks(group) == list(range(plan.gpus)), "heterogeneous: replica j is rank j"
+        phase = EncoderPhase(encoder, rank // plan.encoder.tp, group,
+                             tuple(gpus.gpus(Module.LLM, 0, r)[0] for r in range(plan.llm.dp)))
+    worker = RankState(layout.worker, layout, stages, None if phase else encoder, dp_mesh.get_group(), device,
+                       opts.seed, model.encoder.image_size, model.llm.vocab, plan.strategy, phase)
     optimizer = make_optimizer(worker.parameters(), plan.strategy, worker.dp_group, opts)
     info = {"tied": tied, "gw": gw, "dtype": dtype, "read": read}
     return worker, groups, template, optimizer, info
@@ -201,7 +209,8 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
                                 timeout=datetime.timedelta(seconds=opts.timeout_s))
     rank = dist.get_rank()
     worker, groups, template, optimizer, info = _setup(payload, rank, device)
-    named = named_parameters(worker.stages, worker.colocated_encoder, template)
+    named = named_parameters(worker.stages, worker.phase.encoder if worker.phase else worker.colocated_encoder,
+                             template)
     model = payload.model
     saved = checkpoint.keyed(named, model.llm.tie_embeddings)
     start = checkpoint.load(Path(opts.resume_from), saved, optimizer)["step"] if opts.resume_from else 0
@@ -257,7 +266,8 @@ def run_rank(payload: Payload, keep_parameters: bool = False) -> RankResult:
     steps = range(start, len(payload.batches))
     if opts.warmup and steps:
         result.warmup = warm_up(heaviest_step(payload, steps))
-    media = _rank_media(payload, info["gw"], worker.colocated_encoder is not None, steps)
+    media = _rank_media(payload, info["gw"], worker.colocated_encoder is not None, steps,
+                        worker.phase.replica if worker.phase else None)
     for step, decoded, waited in _decoded(media, steps, opts.decoders):
         run = prepared(step, decoded)
         run.inputs_s += waited
@@ -325,16 +335,23 @@ def _undecodable_anywhere(mine: dict[str, str]) -> dict[str, str]:
     return {k: v for part in everyone for k, v in sorted((part or {}).items())}
 
 
-def _rank_media(payload: Payload, gw: Worker, colocated: bool, steps: range) -> dict[int, Media] | None:
+def _rank_media(payload: Payload, gw: Worker, colocated: bool, steps: range,
+                phase: int | None = None) -> dict[int, Media] | None:
     """Per step, the media of the samples whose pixels this rank feeds (``StepData.pixel_rows`` of its
-    template worker ``gw``; ``colocated``: it runs the encoder inside LLM stage 0), none on a rank
-    that holds no module's first stage; None for synthetic inputs (nothing to decode)."""
+    template worker ``gw``; ``colocated``: it runs the encoder inside LLM stage 0; ``phase``: its encoder
+    replica of a heterogeneous plan), none on a rank that holds no module's first stage; None for
+    synthetic inputs (nothing to decode)."""
     if payload.texts is None:
         return None
     media: dict[int, Media] = {}
     for step in steps:
         data = StepData(payload.plan, payload.batches[step], np.asarray(payload.assignments[step]), payload.texts[step])
-        rows = data.pixel_rows(gw.module, gw.replica, colocated) if 0 in gw.stages else np.zeros(0, dtype=np.int64)
+        if phase is not None:
+            rows = data.phase_rows(phase)
+        elif 0 in gw.stages:
+            rows = data.pixel_rows(gw.module, gw.replica, colocated)
+        else:
+            rows = np.zeros(0, dtype=np.int64)
         media[step] = {i: data.text[i].images for i in map(str, data.batch.ids[rows]) if data.text[i].images}
     return media
 
