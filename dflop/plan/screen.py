@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflop.cost.comm import p2p_time
-from dflop.cost.memory import layer_params, stage_params, state_bytes
+from dflop.cost.memory import stage_params
 from dflop.cost.overlap import bucket_lag
 from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.plan.evaluate import Evaluator, inflight_by_stage
 from dflop.program.actions import Kind
 from dflop.timing.costing import group_state
+from dflop.timing.encoder_phase import phase_spec, phase_state
 from dflop.timing.dpcomm import GroupComm, fsdp_op, group_comm
 from dflop.program.template import plan_groups
 from dflop.schedule.batching import Batching
@@ -185,17 +186,13 @@ class Screener:
                                                       hw.inter_node_latency))
         return estimate, self.bound(plan), out
 
-    def _phase_spec(self, plan: Plan) -> StageSpec:
-        return StageSpec(Module.ENCODER, self.p.model.encoder.layers, plan.encoder.tp, first=True, last=True,
-                         recompute=plan.recompute)
-
     def _phase_time(self, plan: Plan) -> float:
         """A heterogeneous encoder phase on average chunks (ENCODE, and ENCODE_B's forward again and
         backward), and its gradient reduction's tail."""
         ev, m = self.ev, plan.microbatches
         chunk = ev.pool.size / (plan.encoder.dp * m)
-        f, i, w, _, _ = self._stage(self._phase_spec(plan), (chunk, chunk * ev.mean_tiles, 0, 0))
-        params = stage_params(self.p.model, self._phase_spec(plan))
+        f, i, w, _, _ = self._stage(phase_spec(plan, self.p.model), (chunk, chunk * ev.mean_tiles, 0, 0))
+        params = stage_params(self.p.model, phase_spec(plan, self.p.model))
         comm = self._group_comm(plan, Module.ENCODER, 0, (0,), params)
         return m * (2 * f + i + w) + (self._exposed(plan, comm, {}, i + w) if comm is not None else 0.0)
 
@@ -203,10 +200,7 @@ class Screener:
         """The encoder replica's weights, gradients and optimizer state on every GPU."""
         key = ("phase", plan.encoder, plan.zero, plan.fp32_grads)
         if key not in self._state:
-            spec = self._phase_spec(plan)
-            self._state[key] = (0.0, float(sum(state_bytes(
-                stage_params(self.p.model, spec), plan.encoder.tp, plan.encoder.dp, plan.zero, self.p.training,
-                layer_params(self.p.model, Module.ENCODER), fp32_grads=plan.fp32_grads))))
+            self._state[key] = (0.0, phase_state(plan, self.p.model, self.p.training))
         return self._state[key][1]
 
     def _phase_chunk(self, plan: Plan) -> float:
@@ -215,7 +209,7 @@ class Screener:
         ev, m = self.ev, plan.microbatches
         tiles = (ev.heaviest_tiles / plan.encoder.dp + ev.max_tiles) / m
         samples = ev.pool.size / (plan.encoder.dp * m) + 1
-        _, _, _, act, transient = self._stage(self._phase_spec(plan), (samples, tiles, 0, 0))
+        _, _, _, act, transient = self._stage(phase_spec(plan, self.p.model), (samples, tiles, 0, 0))
         return act + transient
 
     def bound(self, plan: Plan) -> float:

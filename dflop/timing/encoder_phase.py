@@ -36,7 +36,9 @@ from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.program.actions import Kind
 from dflop.program.collectives import CollectiveSpec
 from dflop.program.routing import encoder_ranks
-from dflop.specs.plan import Module, place
+from dflop.specs.hardware import TrainingSpec
+from dflop.specs.models import MLLMSpec
+from dflop.specs.plan import Module, Plan, place
 from dflop.timing.dpcomm import NS, GroupComm, TimedCollective, dp_gpus, group_comm, to_ns
 from dflop.workload.sample import SampleTable
 
@@ -65,14 +67,26 @@ class EncoderWork:
     """ns of each all-to-all (embeddings forward, their gradients back: the same bytes)."""
 
 
+def phase_spec(plan: Plan, model: MLLMSpec) -> StageSpec:
+    """The whole encoder as one stage at the encoder's own tp, as every replica of the phase runs it."""
+    return StageSpec(Module.ENCODER, model.encoder.layers, plan.encoder.tp, first=True, last=True,
+                     recompute=plan.recompute)
+
+
+def phase_state(plan: Plan, model: MLLMSpec, training: TrainingSpec) -> float:
+    """Encoder weights, gradients and optimizer state per GPU (every GPU holds one replica's share)."""
+    spec = phase_spec(plan, model)
+    return float(sum(state_bytes(float(stage_params(model, spec)), plan.encoder.tp, plan.encoder.dp, plan.zero,
+                                 training, layer_params(model, Module.ENCODER), fp32_grads=plan.fp32_grads)))
+
+
 class EncoderPhase:
     """The batch-independent half: GPUs, links, model state and the encoder's reduction, built once per plan."""
 
     def __init__(self, builder) -> None:
         plan, model, cluster = builder.plan, builder.model, builder.cluster
         self.builder = builder
-        self.spec = StageSpec(Module.ENCODER, model.encoder.layers, plan.encoder.tp, first=True, last=True,
-                              recompute=plan.recompute)
+        self.spec = phase_spec(plan, model)
         gpu_map = place(plan)
         replicas = [gpu_map.gpus(Module.ENCODER, 0, j) for j in range(plan.encoder.dp)]
         workers = [gpus for group in builder.gpus for gpus in group]
@@ -88,10 +102,7 @@ class EncoderPhase:
         self.node = np.array([cluster.node_of(gpus[0]) for gpus in workers])
         self.hardware = cluster.hardware
         params = float(stage_params(model, self.spec))
-        self.static_bytes = float(sum(state_bytes(params, plan.encoder.tp, plan.encoder.dp, plan.zero,
-                                                  builder.training, layer_params(model, Module.ENCODER),
-                                                  fp32_grads=plan.fp32_grads)))
-        """Encoder weights, gradients and optimizer state per GPU (every GPU holds one replica's share)."""
+        self.static_bytes = phase_state(plan, model, builder.training)
         self.comm: GroupComm | None = group_comm(plan, model, builder.training, cluster, params, plan.encoder.tp,
                                                  dp_gpus(replicas), Module.ENCODER, (0,), builder.cost)
 
