@@ -596,14 +596,17 @@ class RankStep:
         (by rank, each in its sender's batch order): the same on every rank, from the schedule alone."""
         phase, data = self.w.phase, self.data
         world = dist.get_world_size(phase.group)
+        b = data.batch
         dest = np.asarray(phase.first_stage)[data.assignment // data.m]
-        has = data.batch.image_tokens > 0  # of the rows with tiles: ``phase_rows``
-        mine = self.w.layout.rank
-        sent = [r for r in data.phase_rows(phase.replica) if has[r]]
-        out = [np.array([r for r in sent if dest[r] == d], dtype=np.int64) for d in range(world)]
-        inc = [np.array([r for r in data.phase_rows(j) if has[r] and dest[r] == mine], dtype=np.int64)
-               for j in range(world)]
-        return out, inc
+        moved = np.flatnonzero((b.tiles > 0) & (b.image_tokens > 0))  # every image sample, in batch order
+
+        def by_rank(rows: np.ndarray, rank: np.ndarray) -> list[np.ndarray]:
+            """``rows`` split by ``rank[row]``, 0 to world - 1, each part in batch order."""
+            ordered = rows[np.argsort(rank[rows], kind="stable")]
+            return np.split(ordered, np.cumsum(np.bincount(rank[rows], minlength=world))[:-1])
+
+        return (by_rank(moved[data.phase_replica[moved] == phase.replica], dest),
+                by_rank(moved[dest[moved] == self.w.layout.rank], data.phase_replica))
 
     def exchange_forward(self, n: int, node: Node) -> None:
         """ALL_TO_ALL_F: every replica's embeddings to the LLM stage-0 rank of their samples' bins."""
@@ -612,9 +615,8 @@ class RankStep:
         mine = self.data.phase_rows(self.w.phase.replica)
         order = self.token_rows(mine, np.concatenate(out_rows)) if len(mine) else torch.zeros(0, dtype=torch.long)
         send = self.exchange["encoded"].index_select(0, order.to(self.w.device))
-        got = torch.empty(int(sum(tokens[r].sum() for r in in_rows)), self.hidden[Module.LLM], device=self.w.device,
-                          dtype=self.dtype)
         splits = ([int(tokens[r].sum()) for r in out_rows], [int(tokens[r].sum()) for r in in_rows])
+        got = torch.empty(sum(splits[1]), self.hidden[Module.LLM], device=self.w.device, dtype=self.dtype)
         dist.all_to_all_single(got, send.contiguous(), splits[1], splits[0], group=self.w.phase.group)
         self.exchange.update(received=got, received_rows=np.concatenate(in_rows), order=order, splits=splits,
                              leaves=[])
