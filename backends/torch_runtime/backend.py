@@ -178,7 +178,7 @@ class TorchBackend:
             opts = opts if opts.progress_dir else replace(opts, progress_dir=str(progress))
             payload = Payload(runner.plan, runner.system.model, [s.batch for s in steps],
                               [np.asarray(s.assignment) for s in steps], opts, runner.system.cluster.gpus_per_node,
-                              texts)
+                              texts, runner.system.training.freeze_encoder)
             results = self._launch(payload, Path(opts.progress_dir), steps_run)
         if results is None:  # a rank other than 0 under torchrun: rank 0 reports
             return BackendResult({}, metrics({"traceEvents": []}), [], {"rank": int(os.environ["RANK"])})

@@ -175,7 +175,10 @@ def adamw_options(spec: ExecutionSpec) -> dict[str, float]:
 def make_optimizer(params: list[nn.Parameter], strategy: Strategy, dp_group, spec: ExecutionSpec,  # noqa: ANN001
                    ) -> torch.optim.Optimizer:
     """AdamW; with ZeRO-1 its state sharded over data parallelism (torch's ZeroRedundancyOptimizer);
-    with ZeRO-2/3 FSDP2 has sharded the parameters, and with them the state."""
+    with ZeRO-2/3 FSDP2 has sharded the parameters, and with them the state. A rank with nothing to
+    train (a frozen encoder's own) gets one that steps nothing."""
+    if not params:
+        return torch.optim.AdamW([{"params": []}], **adamw_options(spec))
     if strategy.optimizer_shards_itself and dist.get_world_size(dp_group) > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

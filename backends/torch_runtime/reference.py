@@ -37,15 +37,16 @@ class Reference:
 
 
 def reference_training(model: MLLMSpec, batches: list[SampleTable], options: TorchOptions,
-                       texts: list[dict[str, Encoded]] | None = None) -> Reference:
+                       texts: list[dict[str, Encoded]] | None = None, freeze_encoder: bool = False) -> Reference:
     """The sequential run of ``batches`` in one process; with ``texts`` (each step's real samples by
-    id), on their tokens and targets."""
+    id), on their tokens and targets; with ``freeze_encoder``, the encoder's weights untrained."""
     dtype = getattr(torch, options.dtype.value)
     encoder = build_stage(model, Module.ENCODER, 0, (model.encoder.layers,), options.seed).to(dtype)
     llm = build_stage(model, Module.LLM, 0, (model.llm.layers,), options.seed).to(dtype)
     if options.weights:
         load_stages(open_checkpoint(options.weights), [(Module.ENCODER, encoder), (Module.LLM, llm)])
-    params = list(encoder.parameters()) + list(llm.parameters())
+    encoder.requires_grad_(not freeze_encoder)
+    params = [p for p in list(encoder.parameters()) + list(llm.parameters()) if p.requires_grad]
     optimizer = torch.optim.AdamW(params, **adamw_options(options))
     losses, largest = [], []
     for step, batch in enumerate(batches):

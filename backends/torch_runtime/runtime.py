@@ -104,16 +104,19 @@ class RankState:
     """Heterogeneous placement: the encoder replica this rank also runs, in a phase of its own."""
 
     def pipeline_parameters(self) -> list[nn.Parameter]:
-        """The parameters of its pipeline stages (a colocated encoder's included)."""
+        """The trained parameters of its pipeline stages (a colocated encoder's included, unless frozen)."""
         mods = list(self.stages.values()) + ([self.colocated_encoder] if self.colocated_encoder is not None else [])
         seen: dict[int, nn.Parameter] = {}
         for m in mods:
             for p in m.parameters():
-                seen.setdefault(id(p), p)
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
         return list(seen.values())
 
     def parameters(self) -> list[nn.Parameter]:
-        return self.pipeline_parameters() + (list(self.phase.encoder.parameters()) if self.phase is not None else [])
+        """Every parameter its optimizer updates."""
+        phase = [p for p in self.phase.encoder.parameters() if p.requires_grad] if self.phase is not None else []
+        return self.pipeline_parameters() + phase
 
 
 @dataclass
@@ -455,13 +458,18 @@ class RankStep:
     # ---- compute ----------------------------------------------------------------------------------
 
     def stage_input(self, n: int, module: Module, s: int, k: int) -> torch.Tensor:
-        """Input of a non-first stage: the local previous stage's output, or what a receive brought."""
+        """Input of a non-first stage: the local previous stage's output, or what a receive brought
+        (no gradient flows into a frozen encoder's)."""
         if (s - 1, k) in self.outputs and (s - 1) in self.w.stages:
             x = self.outputs[(s - 1, k)].detach()
         else:
             recv = next(d for d in self.graph.inputs[n] if self.graph.nodes[d].kind is Kind.RECV_F)
             x = self.received_tensor(recv)
-        return x.requires_grad_(x.is_floating_point())
+        return x.requires_grad_(x.is_floating_point() and not self.frozen(module))
+
+    def frozen(self, module: Module) -> bool:
+        """``module`` runs forward only (a frozen encoder): nothing of it needs a gradient."""
+        return module is Module.ENCODER and self.t.frozen_encoder
 
     def image_tokens(self, n: int, s: int, k: int, rows: np.ndarray) -> tuple[torch.Tensor | None, list]:
         """The bin's image tokens, in bin order: encoded here (colocated) or brought by the bridge."""
@@ -471,8 +479,9 @@ class RankStep:
             if not len(enc_rows) and not self.w.strategy.runs_as_fsdp2:
                 return None, []
             pixels, _ = self.inputs_of(enc_rows, pixels=True)
-            return self.w.colocated_encoder(pixels, self.data.tiles(enc_rows), self.data.image_tokens(enc_rows),
-                                            self.data.images(enc_rows)), []
+            with torch.set_grad_enabled(not self.frozen(Module.ENCODER)):
+                return self.w.colocated_encoder(pixels, self.data.tiles(enc_rows), self.data.image_tokens(enc_rows),
+                                                self.data.images(enc_rows)), []
         if self.w.phase is not None:  # what the all-to-all brought, one leaf per microbatch
             return self.phase_input(rows)
         total = int(self.data.batch.image_tokens[rows].sum())
@@ -481,12 +490,12 @@ class RankStep:
         for d in self.graph.inputs[n]:
             node = self.graph.nodes[d]
             if node.kind is Kind.BRIDGE_RECV_F:
-                msg = self.received_tensor(d).requires_grad_(True)
+                msg = self.received_tensor(d).requires_grad_(not self.frozen(Module.ENCODER))
                 leaves[node.peer] = msg
                 sent = self.data.bridge_rows(self.replica(node.peer), self.replica(), k)
                 image = image.index_copy(0, self.token_rows(rows, sent), msg)
         self.bridged[(s, k)] = leaves
-        return image, list(leaves.values())
+        return image, [] if self.frozen(Module.ENCODER) else list(leaves.values())
 
     def forward(self, n: int, node: Node) -> None:
         s, k = node.stage, node.microbatch
@@ -511,8 +520,10 @@ class RankStep:
             else:
                 x = self.stage_input(n, module, s, k)
                 inputs = [x]
-            out = stage(x, self.data.tiles(rows), self.data.image_tokens(rows), self.data.images(rows))
-        self.saved[(s, k)] = (inputs, out)
+            with torch.set_grad_enabled(not self.frozen(module)):
+                out = stage(x, self.data.tiles(rows), self.data.image_tokens(rows), self.data.images(rows))
+        if not self.frozen(module):  # a frozen stage has no backward to save anything for
+            self.saved[(s, k)] = (inputs, out)
         self.outputs[(s, k)] = out
 
     def output_grad(self, n: int, s: int, k: int, out: torch.Tensor) -> torch.Tensor | None:
@@ -628,6 +639,8 @@ class RankStep:
         b = self.data.batch
         want = rows[(b.image_tokens[rows] > 0) & (b.tiles[rows] > 0)]  # as ``routes`` sends them
         idx = self.token_rows(have, want) if len(want) else torch.zeros(0, dtype=torch.long, device=self.w.device)
+        if self.frozen(Module.ENCODER):  # no gradient goes back
+            return self.exchange["received"].index_select(0, idx), []
         leaf = self.exchange["received"].index_select(0, idx).requires_grad_(True)
         self.exchange["leaves"].append((leaf, idx))
         return leaf, [leaf] if len(want) else []

@@ -81,6 +81,8 @@ class Payload:
     texts: list[dict[str, Encoded]] | None = None
     """Real samples: each step's token ids and targets by sample id, tokenized by the launcher
     before any rank starts (None: synthetic inputs)."""
+    freeze_encoder: bool = False
+    """The recipe's frozen encoder (``TrainingSpec.freeze_encoder``): its weights take no gradient."""
 
 
 @dataclass
@@ -131,7 +133,7 @@ def named_parameters(stages: dict[int, nn.Module], encoder: nn.Module | None,
 
 def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[RankState, Groups, Template, Any, dict]:
     plan, model, opts = payload.plan, payload.model, payload.options
-    template = build_template(plan)
+    template = build_template(plan, frozen_encoder=payload.freeze_encoder)
     layout = RankLayout.of(build_workers(template), rank)
     groups = Groups(plan, layout, device.type)
     tied = model.llm.tie_embeddings and plan.stages("llm") > 1
@@ -155,6 +157,8 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[RankState
         if ckpt is not None:  # after TP (a rank reads its shards only), before FSDP (which shards what it read)
             read.update(load_stages(ckpt, [(kind, module)]))
         module.run_block = block_runner(plan.recompute, splits_backward(plan.schedule))
+        if kind is Module.ENCODER and payload.freeze_encoder:
+            module.requires_grad_(False)
         if plan.strategy.runs_as_fsdp2 and mp.dp > 1:
             fully_shard_stage(module, groups.fsdp_mesh(gw.module, shards),
                               reshard_after_forward=plan.strategy.reshards_after_forward)

@@ -65,6 +65,20 @@ def stage_params(model: MLLMSpec, stage: StageSpec) -> int:
     return n
 
 
+def frozen_params(model: MLLMSpec, training: TrainingSpec, strategy: Strategy, module: str,
+                  layers: tuple[int, ...], stages: tuple[int, ...]) -> float:
+    """Parameters of the pipeline rank holding ``stages`` of ``module`` (split into ``layers`` per
+    stage) that do not train: a frozen encoder's, whole on its own stages or inside a colocated LLM's
+    first."""
+    if not training.freeze_encoder:
+        return 0.0
+    if module == Module.ENCODER:
+        return float(sum(stage_params(model, StageSpec.of(module, layers, s, 1)) for s in stages))
+    if strategy.carries_encoder(module, stages):
+        return float(stage_params(model, StageSpec(Module.ENCODER, model.encoder.layers, 1, first=True, last=True)))
+    return 0.0
+
+
 FP32_GRAD_BYTES = 4
 
 
@@ -75,22 +89,23 @@ def grad_bytes(training: TrainingSpec, fp32_grads: bool) -> int:
 
 def state_bytes(params: float, tp: int, dp: int, zero: int, training: TrainingSpec,
                 largest_layer_params: float = 0.0, *, fp32_grads: bool = False,
-                root_params: float = 0.0) -> tuple[float, float, float]:
+                root_params: float = 0.0, frozen: float = 0.0) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes per GPU; ``dp`` is the sharding degree (the shard group of
-    hybrid sharding); ``root_params`` stay unsharded through a ZeRO-3 step."""
+    hybrid sharding); ``root_params`` stay unsharded through a ZeRO-3 step; ``frozen`` of the
+    ``params`` hold weights alone (a frozen encoder)."""
     per_gpu = params / tp
     gb = grad_bytes(training, fp32_grads)
     weights = per_gpu * training.weight_bytes
-    grads = per_gpu * gb
-    optimizer = per_gpu * training.optimizer_bytes
+    grads = (params - frozen) / tp * gb
+    optimizer = (params - frozen) / tp * training.optimizer_bytes
     strategy = Strategy(zero=zero)
     if strategy.shards_optimizer:
         optimizer /= dp
     if strategy.reduces_every_backward:  # the gradients of one bucket stay whole until reduced
-        grads = grads / dp + min(training.bucket_params, params) / tp * gb
+        grads = grads / dp + min(training.bucket_params, params - frozen) / tp * gb
     if strategy.shards_parameters:
         weights = weights / dp + (root_params + 2 * largest_layer_params) / tp * training.weight_bytes
-        grads = grads / dp + largest_layer_params / tp * gb
+        grads = grads / dp + (largest_layer_params / tp * gb if params > frozen else 0.0)
     return weights, grads, optimizer
 
 

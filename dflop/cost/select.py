@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from dflop.cost.analytical import UNCALIBRATED_ERROR, AnalyticalCostModel
+from dflop.cost.frozen import priced_by
 from dflop.cost.profiled import ProfiledCostModel
 from dflop.cost.protocol import CostModel
 from dflop.cost.store import architecture_mismatch, load_sourced
@@ -50,6 +51,7 @@ def select_cost_model(model: MLLMSpec, hardware: HardwareSpec, training: Trainin
 def prediction_error(cost: CostModel) -> tuple[float, str]:
     """(sigma, where it comes from) of the per-sample cost error to assume for ``cost``: the
     profiled model's median held-out error, or the analytical model's stated default."""
+    cost = priced_by(cost)
     if isinstance(cost, ProfiledCostModel):
         sigma = float(cost.holdout_error()["median"])
         if math.isfinite(sigma) and sigma > 0:

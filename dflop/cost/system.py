@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflop.cost.frozen import FrozenEncoder, priced_by
 from dflop.cost.protocol import CostModel
 from dflop.specs.hardware import ClusterSpec, HardwareSpec, TrainingSpec
 from dflop.specs.models import MLLMSpec
@@ -20,6 +21,11 @@ class System:
     cluster: ClusterSpec
     training: TrainingSpec
     cost: CostModel
+
+    def __post_init__(self) -> None:
+        """The recipe decides what the encoder costs: a frozen one's stages price forward only."""
+        base = priced_by(self.cost)  # (a system replaced with another recipe re-prices its model's)
+        object.__setattr__(self, "cost", FrozenEncoder(base) if self.training.freeze_encoder else base)
 
     @property
     def hardware(self) -> HardwareSpec:

@@ -17,6 +17,7 @@ import numpy as np
 
 from dflop.backends.base import ScheduledBatch
 from dflop.cost.calibration import Calibration, calibrated
+from dflop.cost.frozen import priced_by
 from dflop.cost.profiled import ProfiledCostModel
 from dflop.cost.protocol import CostModel
 from dflop.cost.store import machine_difference, profile_machine
@@ -49,6 +50,7 @@ def machine_note(cost: CostModel, device: str | None = None) -> str:
     by default the profile's own), or on a GPU this machine does not have (planning for a cluster from
     elsewhere: the profile is that GPU's, and nothing here can say otherwise); else the line naming
     what differs."""
+    cost = priced_by(cost)
     if not isinstance(cost, ProfiledCostModel):
         return ""
     device = device or profile_device(cost)
@@ -67,6 +69,7 @@ def calibrate_cost(cost: CostModel, log: Callable[[str], None], sizes: dict[str,
     saying why, where it cannot be calibrated here. ``sizes``, ``tps`` and ``lengths``: per model,
     the microbatch size, the TP degrees and (an LLM) the sample length to measure at (default: the
     middle of the profile's grid, every TP degree)."""
+    cost = priced_by(cost)
     if not isinstance(cost, ProfiledCostModel):
         log("dflop: no calibration: the analytical cost model holds no measured shapes to measure again")
         return cost, None
@@ -129,6 +132,7 @@ def calibrate_for(cost: CostModel, arms: list[tuple[Plan, list[ScheduledBatch]]]
     """``calibrate_cost`` around what ``arms`` (plan, steps) run: their microbatch sizes and TP
     degrees (``microbatch_sizes``) and their LLM's sample length (``sample_lengths``); ``cost`` and
     None where it is not a profile."""
+    cost = priced_by(cost)
     if not isinstance(cost, ProfiledCostModel):
         return cost, None
     sizes, tps = microbatch_sizes(cost, arms)

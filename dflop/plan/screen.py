@@ -131,9 +131,10 @@ class Screener:
                 acts.append(a)
                 transient = max(transient, t)
             if plan.heterogeneous:  # a chunk of its encoder phase while it runs; stage 0, its embeddings
-                transient = max(transient, self._phase_chunk(plan))
-                state += 2 * plan.microbatches * tokens_cap * model.llm.hidden * self.p.training.activation_bytes \
-                    if local == 0 else 0.0
+                transient = max(transient, self._phase_chunk(plan))  # (and their gradients, if it trains)
+                held_with_grads = 1 if self.p.training.freeze_encoder else 2
+                state += held_with_grads * plan.microbatches * tokens_cap * model.llm.hidden \
+                    * self.p.training.activation_bytes if local == 0 else 0.0
             need = state + max(sum(n * a for n, a in zip(moment, acts)) for moment in held) + transient
             if need > memory:
                 memory, where = need, f"{module} pipeline rank {local}"
@@ -188,10 +189,12 @@ class Screener:
 
     def _phase_time(self, plan: Plan) -> float:
         """A heterogeneous encoder phase on average chunks (ENCODE, and ENCODE_B's forward again and
-        backward), and its gradient reduction's tail."""
+        backward, which a frozen encoder has not), and its gradient reduction's tail."""
         ev, m = self.ev, plan.microbatches
         chunk = ev.pool.size / (plan.encoder.dp * m)
         f, i, w, _, _ = self._stage(phase_spec(plan, self.p.model), (chunk, chunk * ev.mean_tiles, 0, 0))
+        if self.p.training.freeze_encoder:
+            return m * f
         params = stage_params(self.p.model, phase_spec(plan, self.p.model))
         comm = self._group_comm(plan, Module.ENCODER, 0, (0,), params)
         return m * (2 * f + i + w) + (self._exposed(plan, comm, {}, i + w) if comm is not None else 0.0)

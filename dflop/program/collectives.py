@@ -20,7 +20,9 @@ rank (``group`` -1, ``ops`` one per pipeline rank): ``ALL_TO_ALL_F`` before each
 rank's first LLM op (the embeddings reach stage 0; every rank takes part, as in
 one ``all_to_all_single``), ``ALL_TO_ALL_B`` before each rank's ``ENCODE_B``
 (their gradients back), and with encoder replicas ``REDUCE_ENCODER_GRAD`` after
-it (the encoder's gradients over its own data-parallel group).
+it (the encoder's gradients over its own data-parallel group). A frozen encoder
+(``Template.frozen_encoder``) has neither of the last two, and its own ranks of a
+disaggregated plan reduce nothing (with ZeRO-3 they still gather before each forward).
 
 The lowering places these nodes and the costing prices them from the same list
 (``group_collectives``), so nodes and costs line up by index.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 from dflop.program.actions import Kind
 from dflop.program.template import Template
+from dflop.specs.plan import Module
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ def group_collectives(template: Template) -> tuple[CollectiveSpec, ...]:
     for g in template.groups:
         if g.replicas < 2:
             continue
+        if template.frozen_encoder and g.module is Module.ENCODER and not plan.strategy.shards_parameters:
+            continue  # nothing trains there: nothing to reduce (ZeRO-3 still gathers its weights)
         ops = [template.ops[i] for i in template.llm_ops[g.index]]
         if plan.strategy.reduces_once_per_step:
             out.append(CollectiveSpec(Kind.REDUCE_GRAD, g.index, ops[-1].index, True))
@@ -68,8 +73,10 @@ def group_collectives(template: Template) -> tuple[CollectiveSpec, ...]:
             out.extend(CollectiveSpec(Kind.UNSHARD, g.index, op.index, False) for op in ops)
     if plan.heterogeneous:
         firsts = tuple(int(ops[0]) for ops in template.llm_ops)
-        ends = tuple(int(ops[-1]) for ops in template.group_ops)  # each group's ENCODE_B
         out.append(CollectiveSpec(Kind.ALL_TO_ALL_F, -1, firsts[0], False, firsts))
+        if template.frozen_encoder:  # no gradients go back, the encoder has none to reduce
+            return tuple(out)
+        ends = tuple(int(ops[-1]) for ops in template.group_ops)  # each group's ENCODE_B
         out.append(CollectiveSpec(Kind.ALL_TO_ALL_B, -1, ends[0], False, ends))
         if plan.encoder.dp > 1:
             out.append(CollectiveSpec(Kind.REDUCE_ENCODER_GRAD, -1, ends[0], True, ends))

@@ -101,6 +101,9 @@ class Template:
     """Ops in a topological order valid for every replica."""
     last_op: tuple[int, ...]
     """Last op of each group in program order."""
+    frozen_encoder: bool = False
+    """The encoder runs forward only: its stages have no backward, a heterogeneous phase no ENCODE_B
+    (and no collective after it), and nothing sends it gradients."""
 
     @property
     def colocated(self) -> bool:
@@ -200,7 +203,9 @@ def plan_groups(plan: Plan) -> tuple[Group, ...]:
     return _groups(plan, placement(plan.schedule).stage_to_rank(ranks, stages), encoder_stages)
 
 
-def build_template(plan: Plan, program: Program | None = None) -> Template:
+def build_template(plan: Plan, program: Program | None = None, *, frozen_encoder: bool = False) -> Template:
+    """The step template of ``plan`` (its own schedule's program unless ``program`` is given); with
+    ``frozen_encoder`` the encoder's backwards are left out (:attr:`Template.frozen_encoder`)."""
     if program is None:
         program, encoder_stages = program_for(plan)
     else:
@@ -222,12 +227,14 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
             if not action.kind.is_compute:
                 continue
             for a in action.parts:
+                if frozen_encoder and a.stage < encoder_stages and a.kind is not Kind.F:
+                    continue
                 index[a] = len(flat)
                 flat.append((rank, a, prev))
                 prev = index[a]
-            if action.sub_actions:
+            if action.sub_actions and all(a in index for a in action.parts):
                 pairs.append((index[action.parts[0]], index[action.parts[1]]))
-        if phase:
+        if phase and not frozen_encoder:
             flat.append((rank, Action.encoder_phase(Kind.ENCODE_B), prev))
     split = {(a.stage, a.microbatch) for a in index if a.kind is Kind.I}
     last_llm = tuple(prev for _, a, prev in flat if a.kind is Kind.ENCODE_B)
@@ -256,7 +263,7 @@ def build_template(plan: Plan, program: Program | None = None) -> Template:
     for op in ops:
         last[op.group] = op.index
     return Template(plan, program, encoder_stages, groups, tuple(ops),
-                    _topological(ops), tuple(last))
+                    _topological(ops), tuple(last), frozen_encoder)
 
 
 def waits_for(op: TemplateOp, ops: Sequence[TemplateOp]) -> tuple[int, tuple[int, ...], int]:

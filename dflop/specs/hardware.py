@@ -160,6 +160,11 @@ class TrainingSpec:
     bucket_params: int = field(default=40_000_000, metadata=limit(1, None))
     """Parameters per gradient bucket of the data-parallel reduction (Megatron's default bucket size):
     the first bucket's reduction starts once the backward has produced it."""
+    freeze_encoder: bool = False
+    """The vision encoder and its projector are frozen (LLaMA-Factory's ``freeze_vision_tower`` and
+    ``freeze_multi_modal_projector``, ms-swift's ``freeze_vit`` and ``freeze_aligner``, LLaVA's
+    first stage for the tower): they run forward only, keep no activations, no gradients and no
+    optimizer state, and nothing of theirs is reduced over data parallelism."""
 
     def __post_init__(self) -> None:
         check_numbers(self)

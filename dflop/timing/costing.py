@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from dflop.cost.comm import p2p_time
-from dflop.cost.memory import layer_params, stage_params, state_bytes
+from dflop.cost.memory import frozen_params, layer_params, stage_params, state_bytes
 from dflop.cost.protocol import StageCost, StageSpec, WorkShape
 from dflop.cost.system import System
 from dflop.errors import DflopError
@@ -127,8 +127,9 @@ def group_state(plan: Plan, model: MLLMSpec, training: TrainingSpec, layers: dic
     largest = max(layer_params(model, m) for m in modules)
     dp = plan.module(module).dp
     shards = shard_degree(plan, per_node, dp, tp) if strategy.shards_parameters else dp
+    frozen = frozen_params(model, training, strategy, module, layers[module], stages)
     return params, float(sum(state_bytes(params, tp, shards, plan.zero, training, largest,
-                                         fp32_grads=plan.fp32_grads, root_params=params - held)))
+                                         fp32_grads=plan.fp32_grads, root_params=params - held, frozen=frozen)))
 
 
 class TimingBuilder:
@@ -246,11 +247,13 @@ class _Costing:
     def needs_no_input_grad(self, module: str, stage: int) -> np.ndarray | bool:
         """Where a module-local stage's inputs need no gradient, per (replica, microbatch): the
         pipeline's first stage (pixels in: the encoder's, or a colocated LLM's with the encoder
-        inside), and a disaggregated LLM's first stage on bins without images (the bridge brings
-        it nothing). The runtime then runs that stage's whole backward in its W step."""
+        inside), an LLM's first stage whose image tokens come from a frozen encoder, and else on
+        bins without images (the bridge or the all-to-all brings it nothing to train). The runtime
+        then runs that stage's whole backward in its W step."""
         if stage != 0:
             return False
-        if module == Module.ENCODER or self.b.plan.strategy.carries_encoder(module, (stage,)):
+        if module == Module.ENCODER or self.b.plan.strategy.carries_encoder(module, (stage,)) \
+                or self.b.t.frozen_encoder:
             return True
         return self.bins.tiles == 0
 
@@ -266,7 +269,7 @@ class _Costing:
         """Per stage of group ``g``: every cost field as a (replicas, microbatches) table, for the
         whole stage ('all') and, where FSDP needs them apart, by module."""
         fields = ("fwd", "bwd", "bwd_input", "bwd_weight", "act_bytes", "transient_bytes", "flops",
-                  "recompute_flops")
+                  "backward_flops", "recompute_flops")
         shape = (g.replicas, self.b.m)
         out = {}
         for s in g.stages:
@@ -298,8 +301,9 @@ class _Costing:
                 out["seconds"][rows] = c[field][:, cols].T
                 out["act"][rows] = c["act_bytes"][:, cols].T
                 deferred = c["deferred"][:, cols].T
-                out["flops"][rows] = c["flops"][:, cols].T * {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0 - deferred,
-                                                              Kind.W: 1.0 + deferred}[k]
+                out["flops"][rows] = c["flops"][:, cols].T if k is Kind.F else \
+                    c["backward_flops"][:, cols].T * {Kind.B: 1.0, Kind.I: (1.0 - deferred) / 2,
+                                                      Kind.W: (1.0 + deferred) / 2}[k]
                 if k is not Kind.F:  # the op that runs the backward through the inputs holds its peak
                     share = {Kind.B: 1.0, Kind.I: 1.0 - deferred, Kind.W: deferred}[k]
                     out["transient"][rows] = c["transient_bytes"][:, cols].T * share
@@ -330,15 +334,20 @@ class _Costing:
             flops.table[ops, :r] = got["flops"]
             hw_flops.table[ops, :r] = got["flops"] + got["recompute"]
             exposed[ops] = got["exposed"]
-            if work is not None:  # the group's first and last ops: its ENCODE and ENCODE_B
+            if work is not None:  # the group's first op, its ENCODE, and its last: ENCODE_B, or with a
+                # frozen encoder the last LLM op, the last to hold the embeddings
                 mine = slice(g.index * r, (g.index + 1) * r)  # heterogeneous: every group has the LLM's dp
                 encode, back = ops[0], ops[-1]
-                duration.table[encode, :r], duration.table[back, :r] = work.forward[mine], work.backward[mine]
-                transient.table[encode, :r] = transient.table[back, :r] = work.chunk_bytes[mine]
-                alloc.table[encode, :r] = free.table[back, :r] = work.embeddings[mine]
-                flops.table[encode, :r], flops.table[back, :r] = work.flops[mine], 2 * work.flops[mine]
-                hw_flops.table[encode, :r] = work.flops[mine]
-                hw_flops.table[back, :r] = 3 * work.flops[mine] + work.recompute_flops[mine]
+                duration.table[encode, :r] = work.forward[mine]
+                transient.table[encode, :r] = work.chunk_bytes[mine]
+                alloc.table[encode, :r] = work.embeddings[mine]
+                free.table[back, :r] += work.embeddings[mine]
+                flops.table[encode, :r] = hw_flops.table[encode, :r] = work.flops[mine]
+                if not t.frozen_encoder:
+                    duration.table[back, :r] = work.backward[mine]
+                    transient.table[back, :r] = work.chunk_bytes[mine]
+                    flops.table[back, :r] = 2 * work.flops[mine]
+                    hw_flops.table[back, :r] = 3 * work.flops[mine] + work.recompute_flops[mine]
         collectives = []
         for spec in b.specs:
             if spec.group < 0:

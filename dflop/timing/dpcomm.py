@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from dflop.cost.comm import allgather_time, collective_link, reduce_scatter_time, ring_allreduce_time
-from dflop.cost.memory import grad_bytes, layer_params, stage_params
+from dflop.cost.memory import frozen_params, grad_bytes, layer_params, stage_params
 from dflop.cost.protocol import CostModel, StageSpec
 from dflop.cost.overlap import bucket_lag, bucket_slowdown, unit_chain
 from dflop.program.actions import Kind
@@ -121,9 +121,17 @@ def _priced(measured: Callable[[float], tuple[float, float]], unit: tuple[str, f
     return measured(params if kind == "root" else params / tp)
 
 
+def _frozen_kinds(training: TrainingSpec, module: str) -> frozenset[str]:
+    """The ``rank_units`` kinds with nothing to reduce: a frozen encoder's blocks, and its roots where
+    the rank holds the encoder alone (a colocated rank's roots are mostly the LLM's: priced whole)."""
+    if not training.freeze_encoder:
+        return frozenset()
+    return frozenset({Module.ENCODER, "root"} if module == Module.ENCODER else {Module.ENCODER})
+
+
 def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: ClusterSpec, params: float,
            tp: int, dp_gpus: list[int], measured: Callable[[float], tuple[float, float]] | None,
-           units: tuple[tuple[str, float], ...]) -> Units:
+           units: tuple[tuple[str, float], ...], frozen: frozenset[str]) -> Units:
     d = len(dp_gpus)
     shards = shard_degree(plan, cluster.gpus_per_node, d, tp)
     shard_link = collective_link(cluster, dp_gpus[:shards])
@@ -143,6 +151,8 @@ def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: Cluster
         else:
             gather[kind] = float(allgather_time(p / tp * training.weight_bytes, shards, *shard_link))
             reduce[kind] = float(reduce_scatter_time(p / tp * gb, shards, *shard_link)) + across_s
+        if kind in frozen:
+            reduce[kind] = 0.0
     return Units(layers, gather, reduce, inline=measured is not None)
 
 
@@ -160,18 +170,24 @@ def group_comm(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: Clu
     if strategy.runs_as_fsdp2 and cost is not None:
         measured = cost.fsdp_unit(shard_degree(plan, cluster.gpus_per_node, d, tp) if strategy.shards_parameters else d)
     units = rank_units(plan, model, module, stages) if measured is not None else ()
+    frozen = _frozen_kinds(training, module)
     if strategy.shards_parameters:
-        return GroupComm(0.0, 0.0, 1, _units(plan, model, training, cluster, params, tp, dp_gpus, measured, units))
+        return GroupComm(0.0, 0.0, 1, _units(plan, model, training, cluster, params, tp, dp_gpus, measured, units,
+                                             frozen))
     if measured is not None:
-        return GroupComm(float(sum(sum(_priced(measured, u, tp)) for u in units)), 0.0, 1, None, inline=True)
+        return GroupComm(float(sum(g + (0.0 if u[0] in frozen else r) for u in units
+                                   for g, r in [_priced(measured, u, tp)])), 0.0, 1, None, inline=True)
+    trains = params - frozen_params(model, training, strategy, module, plan.stage_layers(module, model), stages)
+    if trains <= 0:  # a frozen encoder's own ranks: nothing to reduce, nothing updated to gather
+        return None
     link = collective_link(cluster, dp_gpus)
-    grads = params / tp * grad_bytes(training, plan.fp32_grads)
+    grads = trains / tp * grad_bytes(training, plan.fp32_grads)
     if not strategy.shards_optimizer:
         reduce, gather = float(ring_allreduce_time(grads, d, *link)), 0.0
     else:
         reduce = float(reduce_scatter_time(grads, d, *link))
-        gather = float(allgather_time(params / tp * training.weight_bytes, d, *link))
-    buckets = max(1, int(np.ceil(params / training.bucket_params)))
+        gather = float(allgather_time(trains / tp * training.weight_bytes, d, *link))
+    buckets = max(1, int(np.ceil(trains / training.bucket_params)))
     return GroupComm(reduce, gather, buckets, None)
 
 

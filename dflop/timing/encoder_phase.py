@@ -76,8 +76,10 @@ def phase_spec(plan: Plan, model: MLLMSpec) -> StageSpec:
 def phase_state(plan: Plan, model: MLLMSpec, training: TrainingSpec) -> float:
     """Encoder weights, gradients and optimizer state per GPU (every GPU holds one replica's share)."""
     spec = phase_spec(plan, model)
-    return float(sum(state_bytes(float(stage_params(model, spec)), plan.encoder.tp, plan.encoder.dp, plan.zero,
-                                 training, layer_params(model, Module.ENCODER), fp32_grads=plan.fp32_grads)))
+    params = float(stage_params(model, spec))
+    return float(sum(state_bytes(params, plan.encoder.tp, plan.encoder.dp, plan.zero, training,
+                                 layer_params(model, Module.ENCODER), fp32_grads=plan.fp32_grads,
+                                 frozen=params if training.freeze_encoder else 0.0)))
 
 
 class EncoderPhase:
@@ -130,7 +132,8 @@ class EncoderPhase:
         fields["again"] = fields["fwd"] + fields["bwd"]  # ENCODE_B: each chunk's forward, then its backward
         fields["chunk"] = fields["act_bytes"] + fields["transient_bytes"]
         exchange, received = self._exchange(batch, assignment, rank)
-        return EncoderWork(to_ns(most("fwd")), to_ns(most("again")), most("chunk"), 2 * received,
+        held_with_grads = 1 if b.t.frozen_encoder else 2  # the embeddings, and their gradients where they train
+        return EncoderWork(to_ns(most("fwd")), to_ns(most("again")), most("chunk"), held_with_grads * received,
                            per_gpu(fields["flops"]), per_gpu(fields["recompute_flops"]),
                            held(samples), held(tiles), exchange)
 

@@ -54,7 +54,7 @@ class CostedPlan:
 
     def __init__(self, plan: Plan, system: System, template: Template | None = None) -> None:
         self.plan, self.system = plan, system
-        self.template = template or build_template(plan)
+        self.template = template or build_template(plan, frozen_encoder=system.training.freeze_encoder)
         self.builder = TimingBuilder(self.template, system)
 
     def step(self, index: int, batch: SampleTable, assignment: np.ndarray) -> Step:
