@@ -497,7 +497,7 @@ def simulate(config: Path | None, plan_path: Path | None, gpus: int | None, node
             f"  MFU {_pct(r['mfu'])}, HFU {_pct(r['hfu'])}; bubbles {r['bubble_fraction']:.1%}, "
             f"{_idle(r)}, peak memory {r['peak_memory_gib']:.1f} GiB, "
             f"{r['oom_events']} out-of-memory events",
-            *[f"warning: {w}" for w in r["warnings"]],
+            *_fewer_microbatches(r["scheduler"]), *[f"warning: {w}" for w in r["warnings"]],
             f"trace -> {r['artifacts']['trace']}", f"timeline -> {r['artifacts']['timeline']}"])
 
     emit(data, as_json, human)
@@ -557,6 +557,16 @@ def run(config: Path | None, backend: str, plan_path: Path | None, gpus: int | N
         emit(data, as_json, _run_human)
 
 
+def _fewer_microbatches(scheduler: dict[str, Any]) -> list[str]:
+    """A line where dflop's scheduler gave some replica fewer microbatches than the plan's (its first such
+    step's count per replica)."""
+    fewer = scheduler.get("fewer_microbatches")
+    if not fewer:
+        return []
+    return [f"variable microbatches per rank in {len(fewer)} step(s): k = {fewer[0]['per_rank']} at step "
+            f"{fewer[0]['step'] + 1}" + (", ..." if len(fewer) > 1 else "")]
+
+
 def _run_human(r: dict[str, Any]) -> str:
     """The run in a few lines; where the backend trains, each arm's measured step split into step
     graph and optimizer, and its losses."""
@@ -584,7 +594,8 @@ def _run_human(r: dict[str, Any]) -> str:
         lines.append(f"calibration: shapes ran {c['ratio']:.2f}x the recorded time here; predictions scaled "
                      f"(uncalibrated: predicted graph {r['uncalibrated_predicted_step_time_s']['mean']:.3f} s, "
                      f"{r['uncalibrated_prediction_error']:+.1%})")
-    lines += arm("dflop", r, "") + arm("baseline", b, f"{b['space']}: ")
+    lines += arm("dflop", r, "") + [f"          {x}" for x in _fewer_microbatches(r["scheduler"])]
+    lines += arm("baseline", b, f"{b['space']}: ")
     lines.append(f"speedup   {r['speedup']:.2f}x {'measured' if trained else 'simulated'}"
                  + (f" = plan gain {d['plan_gain']:.2f}x x balance gain {d['balance_gain']:.2f}x" if d else "")
                  + " (" + (f"{r['predicted_speedup']:.2f}x predicted; " if trained else "")

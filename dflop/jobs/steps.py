@@ -55,5 +55,7 @@ def schedule_steps(s: Setup, runner: CostedPlan, *, steps: int, solver: str, dea
     info = {"solver": solver if batching is Batching.BALANCED else str(batching), "late_steps": late,
             "gap_mean": float(np.mean([p.gap for p in partitions])) if partitions else None,
             "statuses": sorted({p.status for p in partitions}),
-            "orders": sorted({sch.order for sch in scheduled})}
+            "orders": sorted({sch.order for sch in scheduled}),
+            "fewer_microbatches": [{"step": i, "per_rank": list(sch.per_rank())} for i, sch in enumerate(scheduled)
+                                   if min(sch.per_rank()) < sch.microbatches]}
     return [ScheduledBatch(b, sch.aligned(b)) for b, sch in pairs], info

@@ -348,26 +348,30 @@ class Evaluator:
                 caps, start = self.caps(plan), None
             else:  # within a baseline's largest bins: from its own bins when LPT finds no room
                 caps, start = np.array(self.worst_bins(plan, within)), self.rule_bins(within, i, plan)
-            partitioner = self._partitioner(i, costs, caps, start)
-            schedule = bin_batch(batch, plan, self.p.system, costs=costs, caps=caps, partitioner=partitioner)
-            assignment, loads = schedule.assignment, schedule.partition.loads
+            partitioner = self._partitioner(i, start, plan.bins)
+            assignment = bin_batch(batch, plan, self.p.system, costs=costs, caps=caps,
+                                   partitioner=partitioner).assignment
         else:
             assignment = self.rule_bins(batching, i, plan)
-            loads = np.stack([np.bincount(assignment, weights=costs[:, d], minlength=plan.bins)
-                              for d in range(costs.shape[1])], axis=1)
+        loads = np.stack([np.bincount(assignment, weights=costs[:, d], minlength=plan.bins)
+                          for d in range(costs.shape[1])], axis=1)
         worst = loads.max(axis=1)
         return assignment, float(worst.max() / max(worst.mean(), 1e-30))
 
-    def _partitioner(self, i: int, costs: np.ndarray, caps: np.ndarray,
-                     start: np.ndarray | None) -> Callable[[PartitionProblem], Partition]:
-        """``quick`` on pool batch i, solved once per (costs, caps, start): plans that differ only
-        in what the per-sample costs do not see (memory options, recomputation, schedule) share
-        one partition, and so do the evaluator and its noisy twin."""
-        key = (i, *(hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).digest()
-                    for a in (costs, caps, start if start is not None else np.zeros(0))))
+    def _partitioner(self, i: int, start: np.ndarray | None, bins: int) -> Callable[[PartitionProblem], Partition]:
+        """``quick`` on pool batch i, solved once per problem (costs, resources, caps, bins) and
+        start: plans that differ only in what the per-sample costs do not see (memory options,
+        recomputation, schedule) share one partition, and so do the evaluator and its noisy twin.
+        The scheduler also asks for the batch split over the replicas and for each replica's split
+        (:func:`dflop.schedule.step.per_replica_bins`): ``start``, the whole batch in the plan's
+        ``bins``, starts only the problem of the whole batch in that many bins."""
+        def digest(a: np.ndarray | None) -> bytes:
+            return b"" if a is None else hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).digest()
 
         def solve(problem: PartitionProblem) -> Partition:
-            return _kept(self._partitions, (*key, problem.bins), lambda: quick(problem, start))
+            first = start if start is not None and (problem.n, problem.bins) == (len(start), bins) else None
+            key = (i, problem.bins, *map(digest, (problem.costs, problem.resources, problem.caps, first)))
+            return _kept(self._partitions, key, lambda: quick(problem, first))
 
         return solve
 

@@ -9,6 +9,12 @@ which microbatches enter the pipeline: the first one's forward is the
 warm-up's critical path and the last one's backward the cool-down's, so light
 microbatches belong at both ends ("light-ends"). When an evaluator is given,
 the candidate orders are timed and the fastest is kept.
+
+A replica may also run fewer bins than the plan's microbatches
+(:func:`tail_slots`): its bins take its last slots and the leading ones stay
+empty. An empty microbatch costs nothing, and leading ones leave the replica's
+pipeline timed as a plan of that many microbatches would be; trailing ones
+would hold back 1F1B's cool-down, which runs in a fixed order.
 """
 
 from __future__ import annotations
@@ -87,8 +93,24 @@ def slot_bins(loads: np.ndarray, replicas: int, microbatches: int, *, encoder_di
                 slot[b] = replica_of[b] * microbatches + position[k]
         return slot
 
+    return pick(slots_for, order, evaluate)
+
+
+def tail_slots(loads: np.ndarray, replica_of: np.ndarray, microbatches: int, how: str) -> np.ndarray:
+    """Slot of every bin when replica ``replica_of[b]`` runs its own bins (at most ``microbatches``)
+    in its last slots, ordered ``how`` among themselves by their heaviest dimension."""
+    slot = np.empty(len(loads), dtype=np.int64)
+    for r in np.unique(replica_of):
+        mine = np.flatnonzero(replica_of == r)
+        slot[mine[_order(loads[mine].max(axis=1), how)]] = (r + 1) * microbatches - len(mine) + np.arange(len(mine))
+    return slot
+
+
+def pick(slots_for: Callable[[str], np.ndarray], order: str,
+         evaluate: Callable[[np.ndarray], float] | None) -> tuple[np.ndarray, str]:
+    """``slots_for(order)`` (the slot of every bin), or with ``evaluate`` the fastest of every order
+    in ORDERS (the first listed on a tie), and the order's name."""
     if evaluate is None:
         return slots_for(order), order
-    timed = [(evaluate(slots_for(how)), i, how) for i, how in enumerate(ORDERS)]
-    best = min(timed)[2]
+    best = min((evaluate(slots_for(how)), i, how) for i, how in enumerate(ORDERS))[2]
     return slots_for(best), best

@@ -11,6 +11,17 @@ also runs the encoder, so its two dimensions are stage 0 and the busiest other
 stage. With heterogeneous placement the bins balance the LLM alone: each
 sample's encoder replica is a second assignment of its own
 (``routing.encoder_ranks``), balanced over the whole step.
+
+Two candidates are built for a data-aware solver. The fixed count (the
+paper's): replicas x microbatches bins, none empty, the largest as small as
+possible. It has to cut the batch into that many bins however few samples
+there are, so one heavy sample (a long video) sets its replica's pace while
+that replica still runs m - 1 more microbatches. The per-replica one
+(:func:`per_replica_bins`): the samples balanced over the replicas by their
+totals, then each replica's split into at most m bins, run in its last
+microbatches; a replica may run fewer (its leading microbatches empty, which
+costs nothing). The faster is kept: timed by the evaluator when one is given,
+else by :func:`pipeline_estimate`; a tie keeps the fixed count.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from dflop.cost.system import System
 from dflop.errors import DflopError
 from dflop.schedule.batching import Batching, assign, synchronised, vpp_group
 from dflop.schedule.problem import Partition, PartitionProblem
-from dflop.schedule.slots import slot_bins
+from dflop.schedule.slots import pick, slot_bins, tail_slots
 from dflop.schedule.solve import partition
 from dflop.specs import scheduling
 from dflop.specs.loading import save_json
@@ -48,6 +59,8 @@ class StepSchedule:
     replicas: int
     microbatches: int
     partition: Partition | None = None
+    """What the solver balanced: the bins for a fixed count; for a per-replica schedule the replicas
+    (its makespan is the heaviest replica's total), each then split on its own."""
     order: str = "as-solved"
 
     def bins(self) -> list[list[list[str]]]:
@@ -64,7 +77,12 @@ class StepSchedule:
             report = {"makespan": p.makespan, "lower_bound": p.lower_bound, "gap": p.gap,
                       "status": p.status, "solver": p.solver, "seconds": p.seconds}
         return {"replicas": self.replicas, "microbatches": self.microbatches, "order": self.order,
-                "bins": self.bins(), **report}
+                "per_rank": list(self.per_rank()), "bins": self.bins(), **report}
+
+    def per_rank(self) -> tuple[int, ...]:
+        """Microbatches each replica runs (its non-empty bins)."""
+        counts = np.bincount(self.assignment, minlength=self.replicas * self.microbatches)
+        return tuple(int(n) for n in (counts.reshape(self.replicas, self.microbatches) > 0).sum(axis=1))
 
     @classmethod
     def from_json(cls, data: dict[str, Any], where: str = "schedule") -> "StepSchedule":
@@ -139,6 +157,64 @@ def plan_costs(batch: SampleTable, plan: Plan, model: MLLMSpec, cost: CostModel)
     return np.stack([enc, _heaviest(cost, llm_specs, avg, per_sample)], axis=1)
 
 
+def pipeline_estimate(loads: np.ndarray, stages: int) -> float:
+    """Step seconds a slotting of bins predicts without simulating (``loads``: replicas x microbatches
+    x cost dimensions, zeros for empty bins): each replica's pipeline runs its microbatches back to
+    back on its busiest stage and fills and drains once with its largest, sum + (stages - 1) x max
+    in each dimension (1F1B on equal stages); the step waits for the slowest replica. It does not see
+    the order of a disaggregated encoder's microbatches (column k of every replica), which the
+    per-replica candidate makes heavier towards the end; an evaluator does."""
+    return float((loads.sum(axis=1) + (stages - 1) * loads.max(axis=1)).max())
+
+
+@dataclass(frozen=True, eq=False)
+class ReplicaBins:
+    """The per-replica candidate's bins, before slotting."""
+
+    partition: Partition
+    """The items balanced over the replicas."""
+    bin_of: np.ndarray
+    """Bin of every item; each replica's bins are consecutive, in replica order."""
+    replica_of: np.ndarray
+    """Replica of every bin."""
+    loads: np.ndarray
+    """(bins, dimensions) summed costs."""
+
+
+def per_replica_bins(problem: PartitionProblem, replicas: int, microbatches: int,
+                     solve: Callable[[PartitionProblem, float], Partition]) -> ReplicaBins:
+    """The per-replica candidate's bins of ``problem`` (whose bins are the plan's): the items
+    balanced over the replicas by their totals (each replica within ``microbatches`` bins' caps),
+    then each replica's items split into min(``microbatches``, its items) bins under the per-bin
+    caps. ``solve(problem, share)`` solves with ``share`` of the candidate's time: half for the
+    replicas, half for the splits. Raises :class:`DflopError` where a split fails (a replica's
+    items fit no split under the caps)."""
+    caps = None if problem.caps is None else problem.caps * microbatches
+    over = solve(PartitionProblem(problem.costs, replicas, problem.resources, caps, problem.ids), 0.5)
+    bin_of = np.empty(problem.n, dtype=np.int64)
+    replica_of, loads = [], []
+    for r in range(replicas):
+        mine = np.flatnonzero(over.assignment == r)
+        part = solve(PartitionProblem(problem.costs[mine], min(microbatches, len(mine)),
+                                      None if problem.resources is None else problem.resources[mine], problem.caps,
+                                      None if problem.ids is None else [problem.ids[i] for i in mine]),
+                     0.5 / replicas)
+        bin_of[mine] = len(replica_of) + part.assignment
+        replica_of += [r] * len(part.loads)
+        loads.append(part.loads)
+    return ReplicaBins(over, bin_of, np.array(replica_of, dtype=np.int64), np.concatenate(loads))
+
+
+def varies(plan: Plan, solver: str) -> bool:
+    """Whether the per-replica candidate applies: data-aware bins, several replicas and microbatches,
+    and replicas that meet only at the step's end (with ZeRO-3 they meet before every op, so a
+    replica with fewer microbatches would only wait for the others; see ``synchronised``). Every
+    placement runs leading empty microbatches as nothing (a heterogeneous plan's encoder phase
+    chunks each rank's encoder work by the plan's count whatever the LLM's bins)."""
+    return (solver not in DATA_BLIND and plan.llm.dp > 1 and plan.microbatches > 1
+            and not plan.strategy.shards_parameters)
+
+
 def schedule_batch(batch: SampleTable, plan: Plan, *, costs: np.ndarray, solver: str = "auto",
                    time_limit: float = 0.5, caps: np.ndarray | None = None, seed: int = 0,
                    backend: str = "cbc", order: str = "light-ends",
@@ -148,7 +224,9 @@ def schedule_batch(batch: SampleTable, plan: Plan, *, costs: np.ndarray, solver:
 
     Data-blind solvers keep what data-blind frameworks do: bins in arrival order
     straight onto (replica, microbatch) slots. Data-aware ones slot and order the
-    bins (see :mod:`dflop.schedule.slots`); ``evaluate`` times candidate orders.
+    bins (see :mod:`dflop.schedule.slots`); ``evaluate`` times candidate orders,
+    and the per-replica candidate against the fixed count (see the module's docstring;
+    its solves share half of ``time_limit``, so a step takes at most 1.5 times it).
     ``caps`` bound (LLM tokens, tiles) per bin. ``partitioner`` replaces the solver (the
     optimizer's inner loop uses a cheaper one).
     """
@@ -157,19 +235,54 @@ def schedule_batch(batch: SampleTable, plan: Plan, *, costs: np.ndarray, solver:
     if caps is not None:
         resources = np.stack([batch.llm_tokens, batch.tiles], axis=1).astype(float)
     problem = PartitionProblem(costs, plan.bins, resources, caps, batch.ids)
-    result = (partitioner(problem) if partitioner is not None
-              else partition(problem, solver, time_limit=time_limit, seed=seed, backend=backend))
+
+    def solve(p: PartitionProblem, limit: float = time_limit) -> Partition:
+        return partitioner(p) if partitioner is not None else partition(p, solver, time_limit=limit, seed=seed,
+                                                                          backend=backend)
+
+    result = solve(problem)
     ids = tuple(str(i) for i in batch.ids)
+    dp, m = plan.llm.dp, plan.microbatches
     if solver in DATA_BLIND:
-        return StepSchedule(ids, result.assignment, plan.llm.dp, plan.microbatches, result, "arrival")
-    encoder_dim = 0 if plan.placement == "disaggregated" else None
+        return StepSchedule(ids, result.assignment, dp, m, result, "arrival")
+    timed = _once(evaluate)
 
-    def timed(slot: np.ndarray) -> float:
-        return evaluate(slot[result.assignment]) if evaluate is not None else 0.0
+    def via(bin_of: np.ndarray) -> Callable[[np.ndarray], float] | None:
+        return None if timed is None else lambda slot: timed(slot[bin_of])
 
-    slot, used = slot_bins(result.loads, plan.llm.dp, plan.microbatches, encoder_dim=encoder_dim,
-                           order=order, evaluate=timed if evaluate is not None else None)
-    return StepSchedule(ids, slot[result.assignment], plan.llm.dp, plan.microbatches, result, used)
+    slot, used = slot_bins(result.loads, dp, m, encoder_dim=0 if plan.placement == "disaggregated" else None,
+                           order=order, evaluate=via(result.assignment))
+    fixed = StepSchedule(ids, slot[result.assignment], dp, m, result, used)
+    if not varies(plan, solver):
+        return fixed
+    try:
+        split = per_replica_bins(problem, dp, m, lambda p, share: solve(p, time_limit * share / 2))
+    except DflopError:  # no split of some replica fits the caps: the fixed count stands
+        return fixed
+    slot, used = pick(lambda how: tail_slots(split.loads, split.replica_of, m, how), order, via(split.bin_of))
+    variable = StepSchedule(ids, slot[split.bin_of], dp, m, split.partition, used)
+
+    def score(s: StepSchedule) -> float:
+        return timed(s.assignment) if timed is not None else \
+            pipeline_estimate(problem.loads(s.assignment).reshape(dp, m, -1), plan.llm.pp)
+
+    return variable if score(variable) < score(fixed) else fixed
+
+
+def _once(evaluate: Callable[[np.ndarray], float] | None) -> Callable[[np.ndarray], float] | None:
+    """``evaluate`` timing each assignment once: the candidates' fastest orders meet without being
+    simulated again."""
+    if evaluate is None:
+        return None
+    seen: dict[bytes, float] = {}
+
+    def timed(assignment: np.ndarray) -> float:
+        key = np.ascontiguousarray(assignment, dtype=np.int64).tobytes()
+        if key not in seen:
+            seen[key] = evaluate(assignment)
+        return seen[key]
+
+    return timed
 
 
 def bin_batch(batch: SampleTable, plan: Plan, system: System, batching: Batching = Batching.BALANCED, *,
