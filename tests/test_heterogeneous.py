@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from cli_helpers import assert_one_line_error, dflop_here
 from dflop.cost import AnalyticalCostModel, System
+from dflop.errors import DflopError
 from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.program.actions import Kind
 from dflop.program.graph_check import check_graph
@@ -18,6 +19,7 @@ from dflop.sim import execute
 from dflop.specs import ModulePlan, Plan, TrainingSpec
 from dflop.specs.plan import Module, place
 from dflop.timing.costs import longest_path
+from dflop.timing.encoder_phase import phase_state
 from dflop.timing.evaluate import evaluate, peak_memory
 from dflop.timing.steps import CostedPlan
 from dflop.workload import profile_mix
@@ -44,10 +46,12 @@ def step_of(plan, system, data, seed, n=48):
 def test_the_plan_says_what_does_not_fit(model, cluster):
     assert hetero(1, 16, 2, 2, 4).problems(cluster, model) == []
     assert hetero(1, 16, 2, 2, 4).gpus == 16
-    problems = " ".join(Plan(encoder=ModulePlan(tp=3, pp=2, dp=2), llm=ModulePlan(tp=2, pp=2, dp=4),
+    assert hetero(1, 4, 2, 2, 4).problems(cluster, model) == []  # the first 4 GPUs: LLM stage 0's first two workers
+    assert "a multiple of its tp 2 (got tp 1 x dp 3 = 3)" in " ".join(hetero(1, 3, 2, 2, 4).problems(cluster, model))
+    problems = " ".join(Plan(encoder=ModulePlan(tp=3, pp=2, dp=6), llm=ModulePlan(tp=2, pp=2, dp=4),
                              placement="heterogeneous", microbatches=4, zero=2).problems(cluster, model))
     for fragment in ("runs the encoder unpipelined: pp 1 (got pp 2)",
-                     "its tp x dp must be the LLM's 16 GPUs (got tp 3 x dp 2 = 6)",
+                     "at most its 16 GPUs and a multiple of its tp 2 (got tp 3 x dp 6 = 18)",
                      "encoder's tp 3 and the LLM's tp 2 to divide one another",
                      "zero 2 is not modelled for a heterogeneous encoder"):
         assert fragment in problems
@@ -76,14 +80,16 @@ tp_pairs = st.sampled_from([(1, 1), (1, 2), (2, 2), (4, 2), (2, 4), (8, 4), (1, 
 
 @given(tp_pairs, st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.sampled_from(["1F1B", "ZBH1",
                                                                                           "Interleaved1F1B"]),
-       st.sampled_from([0, 1]), st.integers(0, 10_000))
+       st.sampled_from([0, 1]), st.sampled_from([1, 2, 3]), st.integers(0, 10_000))
 def test_three_evaluators_agree_and_every_rank_runs_the_phase(model, cluster, system_and_data, tps, pp, dp, r,
-                                                              schedule, zero, seed):
+                                                              schedule, zero, share, seed):
+    """``share``: the encoder on the job's GPUs, or on its first half or third."""
     (etp, ltp), system, data = tps, *system_and_data
     v = 2 if schedule == "Interleaved1F1B" else 1
     assume(schedule == "1F1B" or pp > 1)
-    assume(ltp * pp * dp % etp == 0)
-    plan = hetero(etp, ltp * pp * dp // etp, ltp, pp, dp, m=pp * r, schedule=schedule, virtual_stages=v, zero=zero)
+    assume(ltp * pp * dp % (etp * share) == 0)
+    plan = hetero(etp, ltp * pp * dp // (etp * share), ltp, pp, dp, m=pp * r, schedule=schedule, virtual_stages=v,
+                  zero=zero)
     assume(not plan.problems(cluster, model, 48))
     step = step_of(plan, system, data, seed)
     graph = step.graph
@@ -200,3 +206,31 @@ def test_the_torch_backend_refuses_a_heterogeneous_plan_it_cannot_run_before_it_
     assert_one_line_error(ran, "plan field placement: the torch backend runs a heterogeneous encoder phase with tp 1 "
                                "for the encoder and the LLM and ZeRO 0 or 1 (got encoder tp 2, llm tp 1, zero 1)")
     assert earlier.read_text() == "{}"
+
+
+def test_an_encoder_on_the_first_gpus_leaves_the_others_out_of_its_work_and_memory(model, cluster, system_and_data):
+    """Encoder tp 1 dp 4 on 16 GPUs of LLM tp 2 pp 2 dp 4: its replicas hold GPUs 0-3, LLM stage 0's
+    first two workers; every other worker encodes nothing and holds none of its state, yet takes
+    part in the all-to-all that brings stage 0 its embeddings."""
+    system, data = system_and_data
+    plan, whole = hetero(1, 4, 2, 2, 4), hetero(1, 16, 2, 2, 4)
+    step = step_of(plan, system, data, 2)
+    encode = [int(ops[0]) for ops in step.timing.template.group_ops]
+    assert (step.timing.duration[encode[0]][:2] > 0).all() and (step.timing.duration[encode[0]][2:4] == 0).all()
+    assert (step.timing.duration[encode[1]][:4] == 0).all()
+    llm_only = step_of(whole, system, data, 2).timing.static_bytes - phase_state(whole, model, system.training)
+    assert step.timing.static_bytes == pytest.approx(llm_only + [phase_state(plan, model, system.training), 0.0])
+    (members,) = [c for c in step.graph.collectives if step.graph.nodes[c[0]].kind is Kind.ALL_TO_ALL_F]
+    assert len(members) == len(step.graph.workers)
+
+
+def test_the_torch_backend_refuses_an_encoder_subset_that_splits_a_data_parallel_group_under_zero_1():
+    """Its ZeRO-1 shards the encoder's optimizer state over the LLM's data-parallel group, whose ranks
+    must then all hold a replica or none."""
+    from dflop.backends.torch_runtime.backend import refuse_unsupported
+    from dflop.backends.torch_runtime.worker import TorchOptions
+
+    with pytest.raises(DflopError, match=r"whole LLM stages \(a multiple of 2; got tp 1 x dp 1\)"):
+        refuse_unsupported(hetero(1, 1, 1, 2, 2), TorchOptions())
+    refuse_unsupported(hetero(1, 1, 1, 2, 2, zero=0), TorchOptions())
+    refuse_unsupported(hetero(1, 2, 1, 2, 2), TorchOptions())

@@ -409,6 +409,12 @@ def refuse_unsupported(plan: Plan, options: TorchOptions) -> None:
         raise DflopError(f"plan field placement: the torch backend runs a heterogeneous encoder phase with tp 1 "
                          f"for the encoder and the LLM and ZeRO 0 or 1 (got encoder tp {plan.encoder.tp}, llm tp "
                          f"{plan.llm.tp}, zero {plan.zero}); the simulator runs any: dflop simulate --plan")
+    stage = plan.llm.tp * plan.llm.dp
+    if plan.heterogeneous and plan.zero == 1 and plan.llm.dp > 1 and plan.encoder.gpus % stage:
+        raise DflopError(f"plan field encoder: with zero 1 the torch backend shards a heterogeneous encoder's "
+                         f"optimizer state over the LLM's data-parallel groups, so its GPUs must be whole LLM "
+                         f"stages (a multiple of {stage}; got tp {plan.encoder.tp} x dp {plan.encoder.dp}): use "
+                         f"zero 0, or the simulator: dflop simulate --plan")
     if plan.fp32_grads and options.dtype in (DType.BFLOAT16, DType.FLOAT16):
         raise DflopError(f"plan field fp32_grads: the torch backend keeps gradients in the parameters' dtype "
                          f"({options.dtype}), not in fp32 buffers; run with execution dtype float32 or float64, or "

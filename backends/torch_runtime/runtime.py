@@ -115,18 +115,22 @@ class RankState:
 
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter its optimizer updates."""
-        phase = [p for p in self.phase.encoder.parameters() if p.requires_grad] if self.phase is not None else []
+        encoder = self.phase.encoder if self.phase is not None else None
+        phase = [p for p in encoder.parameters() if p.requires_grad] if encoder is not None else []
         return self.pipeline_parameters() + phase
 
 
 @dataclass
 class EncoderPhase:
-    """A rank's encoder replica of a heterogeneous plan: its module, its index, the group its gradients
-    are reduced over (every replica), and the rank of each LLM replica's first stage."""
+    """A rank's part in a heterogeneous plan's encoder phase: its encoder replica (None and -1 on a
+    rank beyond the encoder's GPUs, which still takes part in the all-to-all), the group of the
+    all-to-all (every rank), the group its gradients are reduced over (every replica; None beyond
+    them), and the rank of each LLM replica's first stage."""
 
-    encoder: nn.Module
+    encoder: nn.Module | None
     replica: int
     group: Any
+    reduce_group: Any
     first_stage: tuple[int, ...]
     """Per LLM replica: the torch rank of its stage 0 (where its samples' embeddings go)."""
 
@@ -273,7 +277,8 @@ class RankStep:
         if node.kind is Kind.REDUCE_GRAD and not self.w.strategy.runs_as_fsdp2:
             return [r for r in dist.get_process_group_ranks(self.w.dp_group) if r != layout.rank]
         if node.kind in (Kind.ALL_TO_ALL_F, Kind.ALL_TO_ALL_B, Kind.REDUCE_ENCODER_GRAD):
-            return [r for r in dist.get_process_group_ranks(self.w.phase.group) if r != layout.rank]
+            group = self.w.phase.reduce_group if node.kind is Kind.REDUCE_ENCODER_GRAD else self.w.phase.group
+            return [r for r in dist.get_process_group_ranks(group) if r != layout.rank] if group is not None else []
         waiting = [n] if node.kind.is_recv else [d for d in self.graph.inputs[n] if d in self.recv_marks][:1]
         return [layout.recv_from(self.graph.nodes[d].peer) for d in waiting]
 
@@ -669,8 +674,10 @@ class RankStep:
                 torch.autograd.backward(out, grad_tensors=part)
 
     def reduce_encoder_grad(self, n: int, node: Node) -> None:
-        """REDUCE_ENCODER_GRAD: the encoder's gradients summed over its replicas."""
-        all_reduce_grads(list(self.w.phase.encoder.parameters()), self.w.phase.group)
+        """REDUCE_ENCODER_GRAD: the encoder's gradients summed over its replicas (a rank beyond the
+        encoder's GPUs has none)."""
+        if self.w.phase.encoder is not None:
+            all_reduce_grads(list(self.w.phase.encoder.parameters()), self.w.phase.reduce_group)
 
     def sharded(self, n: int, node: Node) -> None:
         """UNSHARD (ZeRO-3, before every forward and backward): FSDP2 gathers a unit's weights in

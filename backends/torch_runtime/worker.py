@@ -113,9 +113,14 @@ def _stage_modules(plan: Plan, model: MLLMSpec, template: Template, worker: int,
     for s in w.stages:
         stages[s + offset] = build_stage(model, w.module, s, layers, seed).to(device=device, dtype=dtype)
     encoder = None
-    if plan.strategy.carries_encoder(w.module, w.stages) or plan.heterogeneous:  # heterogeneous: on every rank
+    if plan.strategy.carries_encoder(w.module, w.stages) or holds_phase_replica(plan, w.gpus[0]):
         encoder = build_stage(model, Module.ENCODER, 0, (model.encoder.layers,), seed).to(device=device, dtype=dtype)
     return stages, encoder
+
+
+def holds_phase_replica(plan: Plan, gpu: int) -> bool:
+    """Whether a heterogeneous plan's encoder has a replica on ``gpu`` (the job's first tp x dp GPUs)."""
+    return plan.heterogeneous and gpu < plan.encoder.gpus
 
 
 def named_parameters(stages: dict[int, nn.Module], encoder: nn.Module | None,
@@ -165,10 +170,10 @@ def _setup(payload: Payload, rank: int, device: torch.device) -> tuple[RankState
     phase = None
     if plan.heterogeneous:  # the encoder is this rank's replica of a phase of its own, not part of a stage
         gpus = place(plan)
-        group = groups.meshes[Module.ENCODER]["dp"].get_group()
-        # with tp 1, encoder replica j is rank j, and rank j in the group's all-to-all order
-        assert dist.get_process_group_ranks(group) == list(range(plan.gpus)), "heterogeneous: replica j is rank j"
-        phase = EncoderPhase(encoder, rank // plan.encoder.tp, group,
+        mesh = groups.meshes[Module.ENCODER]["dp"]
+        # with tp 1, encoder replica j is rank j: the reduction over the first ranks, the all-to-all over all
+        replica = rank // plan.encoder.tp if encoder is not None else -1
+        phase = EncoderPhase(encoder, replica, dist.group.WORLD, mesh.get_group() if encoder is not None else None,
                              tuple(gpus.gpus(Module.LLM, 0, r)[0] for r in range(plan.llm.dp)))
     worker = RankState(layout.worker, layout, stages, None if phase else encoder, dp_mesh.get_group(), device,
                        opts.seed, model.encoder.image_size, model.llm.vocab, plan.strategy, phase)

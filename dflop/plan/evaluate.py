@@ -319,10 +319,12 @@ class Evaluator:
         ranks = np.stack(ranks)
         bound = np.max(ranks, axis=0)
         if plan.heterogeneous:  # each rank runs its LLM work and its encoder phase one after the other: on
-            # average over the ranks at least the mean LLM share plus an encoder replica's mean share
+            # average over the ranks at least the mean LLM share plus an encoder replica's mean share, on the
+            # share of the job's GPUs that hold replicas
             encoder = self._whole_batch(StageSpec(Module.ENCODER, model.encoder.layers, plan.encoder.tp, first=True,
                                                   last=True, recompute=rc), n)
-            bound = np.maximum(bound, np.mean(ranks, axis=0) + encoder / plan.encoder.dp)
+            held = plan.encoder.gpus / plan.llm.gpus
+            bound = np.maximum(bound, np.mean(ranks, axis=0) + encoder / plan.encoder.dp * held)
         return float(np.mean(bound))
 
     # ---- evaluation -----------------------------------------------------------------------------

@@ -53,7 +53,8 @@ class Placement(str, Enum):
     COLOCATED = "colocated"
     """The encoder runs inside the first LLM pipeline stage (Megatron-style LLaVA training)."""
     HETEROGENEOUS = "heterogeneous"
-    """The encoder runs on every GPU of the job with its own tp and dp, as a phase of its own: all of
+    """The encoder runs on the job's GPUs (every one, or the first tp x dp) with its own tp and dp, as
+    a phase of its own: all of
     the step's encoder forwards before the LLM's pipeline, their backwards after it, an all-to-all
     carrying embeddings to LLM stage 0 and their gradients back (OrchMLLM's batch post-balancing,
     Megatron's colocated heterogeneous parallelism in MIMO)."""
@@ -263,14 +264,17 @@ class Plan:
 
     def _heterogeneous_problems(self) -> list[str]:
         """The encoder's TP groups tile the LLM's (one TP group of either holds whole groups of the
-        other), so that each LLM worker runs its encoder replicas' phase and no more."""
+        other), so that each LLM worker runs its encoder replicas' phase and no more; on every GPU of
+        the job, or on the first ones (an LLM worker holds replicas on all its GPUs or on none)."""
         enc, llm = self.encoder, self.llm
         out = []
         if enc.pp != 1:
             out.append(f"heterogeneous placement runs the encoder unpipelined: pp 1 (got pp {enc.pp})")
-        if enc.tp * enc.dp != llm.gpus:
-            out.append(f"heterogeneous placement runs the encoder on every GPU of the job: its tp x dp must be "
-                       f"the LLM's {llm.gpus} GPUs (got tp {enc.tp} x dp {enc.dp} = {enc.tp * enc.dp})")
+        held = enc.tp * enc.dp
+        if held > llm.gpus or held % llm.tp:
+            out.append(f"heterogeneous placement runs the encoder on the job's first tp x dp GPUs, whole TP groups "
+                       f"of the LLM: at most its {llm.gpus} GPUs and a multiple of its tp {llm.tp} (got tp {enc.tp} "
+                       f"x dp {enc.dp} = {held})")
         if enc.tp % llm.tp and llm.tp % enc.tp:
             out.append(f"heterogeneous placement needs the encoder's tp {enc.tp} and the LLM's tp {llm.tp} to "
                        "divide one another (each TP group of one holds whole TP groups of the other)")
@@ -297,7 +301,7 @@ class Strategy:
     colocated: bool = False
     llm_pp: int = 1
     encoder_phase: bool = False
-    """Heterogeneous placement: the encoder runs as a phase of its own on every GPU, beside no stage."""
+    """Heterogeneous placement: the encoder runs as a phase of its own on the job's GPUs, beside no stage."""
 
     @property
     def shards_optimizer(self) -> bool:
@@ -383,7 +387,8 @@ def place(plan: Plan) -> GpuMap:
     Tensor-parallel peers are neighbours (same node), data-parallel replicas
     next, pipeline stages furthest apart. With colocated placement the encoder
     shares the GPUs of LLM stage 0; heterogeneous, encoder replica x holds the
-    job's GPUs ``[x * tp, (x + 1) * tp)``.
+    job's GPUs ``[x * tp, (x + 1) * tp)`` (with fewer replicas than fill the job,
+    its first GPUs: the LLM's first stage's first).
     """
     groups: dict[tuple[Module, int, int], tuple[int, ...]] = {}
     base = 0

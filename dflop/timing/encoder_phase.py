@@ -1,8 +1,9 @@
 """What a heterogeneous encoder phase costs: its ENCODE and ENCODE_B ops, its all-to-alls, its reduction.
 
-With heterogeneous placement every GPU of the job also belongs to one encoder
-replica (``place``: replica x holds GPUs ``[x * tp, (x + 1) * tp)``), and the
-encoder's TP groups tile the LLM's. A rank (an LLM TP group) runs the encoder
+With heterogeneous placement every GPU of the job (or the first tp x dp) also
+belongs to one encoder replica (``place``: replica x holds GPUs
+``[x * tp, (x + 1) * tp)``), and the encoder's TP groups tile the LLM's; a rank
+beyond the encoder's GPUs encodes nothing and holds none of its state. A rank (an LLM TP group) runs the encoder
 work of every replica on its GPUs, so its ENCODE takes as long as the slowest
 of them: the rank's next LLM op needs all its GPUs. Each sample is encoded by
 one encoder replica (``routing.encoder_ranks``: its tiles balanced over the
@@ -93,8 +94,9 @@ class EncoderPhase:
         replicas = [gpu_map.gpus(Module.ENCODER, 0, j) for j in range(plan.encoder.dp)]
         workers = [gpus for group in builder.gpus for gpus in group]
         replica_of = {g: j for j, gpus in enumerate(replicas) for g in gpus}
-        self.touch = [sorted(Counter(replica_of[g] for g in gpus).items()) for gpus in workers]
-        """Per worker: (encoder replica, its GPUs inside the worker) of every replica on its GPUs."""
+        self.touch = [sorted(Counter(replica_of[g] for g in gpus if g in replica_of).items()) for gpus in workers]
+        """Per worker: (encoder replica, its GPUs inside the worker) of every replica on its GPUs (none
+        where the encoder runs on the job's first GPUs only)."""
         owner = {g: w for w, gpus in enumerate(workers) for g in gpus}
         self.host = np.array([owner[replica[0]] for replica in replicas], dtype=np.int64)
         """Per encoder replica: the worker its embeddings leave from."""
@@ -104,7 +106,10 @@ class EncoderPhase:
         self.node = np.array([cluster.node_of(gpus[0]) for gpus in workers])
         self.hardware = cluster.hardware
         params = float(stage_params(model, self.spec))
-        self.static_bytes = phase_state(plan, model, builder.training)
+        r = plan.llm.dp  # every group has the LLM's replicas, its workers in order
+        holds = np.array([any(self.touch[w] for w in range(g * r, (g + 1) * r)) for g in range(len(builder.gpus))])
+        self.static_bytes = phase_state(plan, model, builder.training) * holds
+        """Per group: the encoder replica's state, on the groups whose GPUs hold one."""
         self.comm: GroupComm | None = group_comm(plan, model, builder.training, cluster, params, plan.encoder.tp,
                                                  dp_gpus(replicas), Module.ENCODER, (0,), builder.cost)
 
