@@ -1,6 +1,8 @@
 """A frozen encoder (``training.freeze_encoder``): forward only in every placement, which changes
 every cost (time, memory, communication) and the step graph itself."""
 
+import copy
+import pickle
 from dataclasses import replace
 
 import numpy as np
@@ -9,6 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from dflop.cost import AnalyticalCostModel, System
+from dflop.cost.frozen import FrozenEncoder
 from dflop.cost.flops import projector_params, vit_embedding_params, vit_layer_params
 from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.errors import DflopError
@@ -20,6 +23,7 @@ from dflop.specs import ModulePlan, Plan, TrainingSpec
 from dflop.specs.loading import from_mapping
 from dflop.specs.plan import Module
 from dflop.timing.costs import longest_path
+from dflop.timing.dpcomm import fsdp_op
 from dflop.timing.evaluate import evaluate, peak_memory
 from dflop.timing.steps import CostedPlan
 from dflop.workload import profile_mix
@@ -115,6 +119,7 @@ def test_the_encoder_holds_its_weights_alone_and_every_cost_falls(model, cluster
     frozen_peak, trained_peak = peak_memory(f.timing), peak_memory(t.timing)
     assert all((a <= b).all() for a, b in zip(frozen_peak, trained_peak))
     assert all((frozen_peak[i] < trained_peak[i]).all() for i in held)
+    assert all((frozen_peak[i] > f.timing.static_bytes[i]).all() for i in held)  # a forward holds a layer or more
     if plan.placement.value == "disaggregated":  # model FLOPs: the encoder's forward alone, a third
         for g, ops in enumerate(t.timing.template.group_ops):
             mine, theirs = f.timing.flops.table[f.timing.template.group_ops[g]].sum(), t.timing.flops.table[ops].sum()
@@ -134,8 +139,10 @@ def test_a_frozen_stage_runs_its_forward_and_keeps_nothing(model, both):
     t, f = trained.cost.stage_cost(spec, shape), frozen.cost.stage_cost(spec, shape)
     no_recompute = trained.cost.stage_cost(replace(spec, recompute="none"), shape)
     assert float(f.fwd) == float(no_recompute.fwd) and float(f.flops) == float(t.flops)
-    assert float(f.bwd) == float(f.act_bytes) == float(f.recompute_flops) == 0.0
-    assert 0 < float(f.transient_bytes) < float(no_recompute.act_bytes)  # one layer's at a time
+    assert float(f.bwd) == float(f.act_bytes) == float(f.recompute_flops) == float(f.transient_bytes) == 0.0
+    assert 0 < float(f.forward_transient_bytes) < float(no_recompute.act_bytes)  # one layer's at a time
+    assert copy.deepcopy(frozen.cost) == frozen.cost == pickle.loads(pickle.dumps(frozen.cost))
+    assert FrozenEncoder(frozen.cost) == frozen.cost  # wrapped once
     llm = StageSpec(Module.LLM, 4, 1, first=True)
     assert frozen.cost.stage_cost(llm, WorkShape(4, 20, 4000, 4e6)) == trained.cost.stage_cost(llm, WorkShape(
         4, 20, 4000, 4e6))
@@ -147,3 +154,17 @@ def test_the_recipe_names_it_and_a_wrong_value_is_a_one_line_error():
     with pytest.raises(DflopError, match="freeze_encoder") as err:
         from_mapping(TrainingSpec, {"global_batch": 8, "freeze_encoder": "yes"}, "training:")
     assert "\n" not in str(err.value)
+
+
+def test_fsdp_gathers_a_frozen_encoder_for_its_forward_alone(model, cluster, both):
+    """ZeRO-3 colocated: the forward gathers the encoder's units; a backward, which never runs
+    through a frozen encoder, prices no gather of them (and no reduce-scatter)."""
+    trained, frozen = both
+    plan = Plan(encoder=ModulePlan(dp=8), llm=ModulePlan(dp=8), placement="colocated", microbatches=2, zero=3)
+    units = CostedPlan(plan, frozen).builder.comm[0].units
+    assert units.frozen == {Module.ENCODER} and units.reduce[Module.ENCODER] == 0.0
+    compute = {Module.ENCODER: np.zeros(8), Module.LLM: np.full(8, 0.5)}
+    without = replace(units, layers={**units.layers, Module.ENCODER: 0})
+    assert fsdp_op(Kind.B, units, compute, 1.0)[1] == pytest.approx(fsdp_op(Kind.B, without, compute, 1.0)[1])
+    assert (fsdp_op(Kind.F, units, compute, 1.0)[1] > fsdp_op(Kind.F, without, compute, 1.0)[1]).all()
+    assert CostedPlan(plan, trained).builder.comm[0].units.frozen == frozenset()

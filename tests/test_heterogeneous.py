@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from cli_helpers import assert_one_line_error, dflop_here
 from dflop.cost import AnalyticalCostModel, System
 from dflop.errors import DflopError
+from dflop.jobs.report import gpu_note
 from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.program.actions import Kind
 from dflop.program.graph_check import check_graph
@@ -222,6 +223,8 @@ def test_an_encoder_on_the_first_gpus_leaves_the_others_out_of_its_work_and_memo
     assert step.timing.static_bytes == pytest.approx(llm_only + [phase_state(plan, model, system.training), 0.0])
     (members,) = [c for c in step.graph.collectives if step.graph.nodes[c[0]].kind is Kind.ALL_TO_ALL_F]
     assert len(members) == len(step.graph.workers)
+    assert "tp1 dp4 on the first 4 of the LLM's 16 GPUs" in plan.describe()
+    assert gpu_note(plan, 16) == "its encoder runs on the first 4 of the job's 16 GPUs" and gpu_note(whole, 16) is None
 
 
 def test_the_torch_backend_refuses_an_encoder_subset_that_splits_a_data_parallel_group_under_zero_1():

@@ -62,12 +62,10 @@ def timer(plan, batch):
 
 
 @pytest.fixture
-def fixed_count(monkeypatch):
-    """``schedule_batch`` as it was: the fixed count only."""
+def fixed_count():
+    """``schedule_batch`` as it was: the fixed count only (``scheduler.variable_microbatches: false``)."""
     def schedule(*args, **kwargs):
-        with monkeypatch.context() as m:
-            m.setattr(step, "varies", lambda plan, solver: False)
-            return schedule_batch(*args, **kwargs)
+        return schedule_batch(*args, variable=False, **kwargs)
     return schedule
 
 

@@ -33,13 +33,19 @@ class FrozenEncoder:
             return self.inner.stage_cost(stage, shape)
         c = self.inner.stage_cost(StageSpec(stage.module, stage.layers, stage.tp, stage.first, stage.last,
                                             Recompute.NONE), shape)
-        zero = 0.0 * c.fwd  # a forward without autograd holds one layer's activations at a time
-        return StageCost(c.fwd, zero, zero, zero, c.flops, c.act_bytes / max(stage.layers, 1), trained_flops=zero)
+        zero = 0.0 * c.fwd
+        return StageCost(c.fwd, zero, zero, zero, c.flops, zero, trained_flops=zero,
+                         forward_transient_bytes=c.act_bytes / max(stage.layers, 1))
 
     def fsdp_unit(self, shards: int) -> Callable[[float], tuple[float, float]] | None:
         return self.inner.fsdp_unit(shards)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inner", priced_by(self.inner))  # wrapped once, however often asked
+
     def __getattr__(self, name: str) -> Any:  # what a particular model offers besides (profile, drift)
+        if name == "inner" or name.startswith("__"):  # (not set yet: copying, unpickling)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 

@@ -100,6 +100,9 @@ class StageCost:
     """FLOPs the backward spends recomputing the forward (hardware FLOPs beyond the model's)."""
     trained_flops: Array = 1.0
     """The fraction of ``flops`` whose backward runs (twice as many FLOPs): 0 for a frozen encoder."""
+    forward_transient_bytes: Array = 0.0
+    """Bytes held for a moment during the forward beyond the kept activations: a forward without
+    autograd (a frozen encoder) holds one layer's at a time, and keeps none."""
 
     @property
     def backward_flops(self) -> Array:
@@ -116,7 +119,8 @@ class StageCost:
                          self.bwd_weight + other.bwd_weight, self.act_bytes + other.act_bytes,
                          self.flops + other.flops, np.maximum(self.transient_bytes, other.transient_bytes),
                          self.recompute_flops + other.recompute_flops,
-                         _ratio(self.backward_flops + other.backward_flops, 2.0 * (self.flops + other.flops)))
+                         _ratio(self.backward_flops + other.backward_flops, 2.0 * (self.flops + other.flops)),
+                         np.maximum(self.forward_transient_bytes, other.forward_transient_bytes))
 
     def backward_in_weight_step(self, where: Array = True) -> "StageCost":
         """The stage with nothing to send upstream (its inputs need no gradient) where ``where``
@@ -128,7 +132,8 @@ class StageCost:
     def scaled(self, factor: Array) -> "StageCost":
         """Time scaled by ``factor`` (bytes and FLOPs unchanged)."""
         return StageCost(self.fwd * factor, self.bwd_input * factor, self.bwd_weight * factor,
-                         self.act_bytes, self.flops, self.transient_bytes, self.recompute_flops, self.trained_flops)
+                         self.act_bytes, self.flops, self.transient_bytes, self.recompute_flops, self.trained_flops,
+                         self.forward_transient_bytes)
 
 
 def _ratio(part: Array, whole: Array) -> Array:

@@ -220,7 +220,7 @@ def _megatron_recompute(s: Settings) -> list[str]:
 
 
 def _heterogeneous_gap(plan: Plan) -> str:
-    return (f"heterogeneous placement: the encoder on every GPU with its own tp {plan.encoder.tp} and dp "
+    return (f"heterogeneous placement: the encoder on the job's GPUs with its own tp {plan.encoder.tp} and dp "
             f"{plan.encoder.dp}, an all-to-all to the LLM's first stage: no flag of the target says it (Megatron "
             "runs it through MIMO's colocated module parallelism, in code)")
 

@@ -27,7 +27,8 @@ def confirm_with_simpy(s: Setup, batches_: int = 2) -> Callable[[Plan, Batching]
     backend = SimBackend(memory=False)
 
     def confirm(plan: Plan, batching: Batching) -> float:
-        steps = [ScheduledBatch(pool[i], bin_batch(pool[i], plan, s.system, batching).assignment)
+        steps = [ScheduledBatch(pool[i], bin_batch(pool[i], plan, s.system, batching,
+                                                   variable=s.config.scheduler.variable_microbatches).assignment)
                  for i in range(batches_)]
         return backend.run(CostedPlan(plan, s.system), steps).metrics.step_time_mean
 

@@ -13,8 +13,13 @@ from dflop.specs.plan import Plan
 
 
 def gpu_note(plan: Plan, cluster_gpus: int) -> str | None:
-    """A plan that leaves GPUs of the cluster idle says so."""
-    return f"the plan uses {plan.gpus} of {cluster_gpus} GPUs" if plan.gpus < cluster_gpus else None
+    """A plan that leaves GPUs of the cluster idle says so, and one whose heterogeneous encoder leaves
+    GPUs of the job out (a plan file's encoder dp is easily left short)."""
+    notes = [f"the plan uses {plan.gpus} of {cluster_gpus} GPUs"] if plan.gpus < cluster_gpus else []
+    if plan.heterogeneous and plan.encoder.tp * plan.encoder.dp < plan.llm.gpus:
+        notes.append(f"its encoder runs on the first {plan.encoder.tp * plan.encoder.dp} of the job's "
+                     f"{plan.llm.gpus} GPUs")
+    return "; ".join(notes) or None
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:

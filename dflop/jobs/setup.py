@@ -87,7 +87,7 @@ class Setup:
     data_source: str
 
     def problem(self) -> PlanningProblem:
-        return PlanningProblem(self.system, self.data, self.config.seed)
+        return PlanningProblem(self.system, self.data, self.config.seed, self.config.scheduler.variable_microbatches)
 
 
 def load_data(config: RunConfig) -> tuple[SampleTable, str]:

@@ -29,7 +29,8 @@ def assigner(s: Setup, runner: CostedPlan, solver: str,
 
         return bin_batch(batch, runner.plan, s.system, batching, solver=solver,
                          time_limit=s.config.scheduler.time_limit, backend=s.config.scheduler.ilp_backend,
-                         evaluate=None if solver in ("sequential", "random") else timed)
+                         evaluate=None if solver in ("sequential", "random") else timed,
+                         variable=s.config.scheduler.variable_microbatches)
 
     return assign_
 

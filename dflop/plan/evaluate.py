@@ -75,6 +75,8 @@ class PlanningProblem:
     system: System
     data: SampleTable
     seed: int = 0
+    variable_microbatches: bool = True
+    """dflop's bins may give a rank fewer microbatches (``SchedulerSpec.variable_microbatches``)."""
 
     @property
     def model(self) -> MLLMSpec:
@@ -335,9 +337,9 @@ class Evaluator:
     def assignment(self, plan: Plan, i: int, batching: Batching,
                    within: Batching | None = None) -> tuple[np.ndarray, float]:
         """Bins of pool batch i, as the scheduler (or a baseline's rule) makes them, and how uneven
-        they are in predicted cost (largest bin over the mean); once per bin grid and what the
-        per-sample costs read (``bins_key``), which plans alike but for their memory options,
-        recomputation or schedule share, and so do the evaluator and its noisy twin."""
+        they are in predicted cost (largest bin over the mean of those holding samples); once per bin
+        grid and what the per-sample costs read (``bins_key``), which plans alike but for their memory
+        options, recomputation or schedule share, and so do the evaluator and its noisy twin."""
         return _kept(self._bins, (i, batching, within, *bins_key(plan)),
                      lambda: self._assignment(plan, i, batching, within))
 
@@ -351,13 +353,13 @@ class Evaluator:
             else:  # within a baseline's largest bins: from its own bins when LPT finds no room
                 caps, start = np.array(self.worst_bins(plan, within)), self.rule_bins(within, i, plan)
             partitioner = self._partitioner(i, start, plan.bins)
-            assignment = bin_batch(batch, plan, self.p.system, costs=costs, caps=caps,
-                                   partitioner=partitioner).assignment
+            assignment = bin_batch(batch, plan, self.p.system, costs=costs, caps=caps, partitioner=partitioner,
+                                   variable=self.p.variable_microbatches).assignment
         else:
             assignment = self.rule_bins(batching, i, plan)
         loads = np.stack([np.bincount(assignment, weights=costs[:, d], minlength=plan.bins)
                           for d in range(costs.shape[1])], axis=1)
-        worst = loads.max(axis=1)
+        worst = loads.max(axis=1)[np.bincount(assignment, minlength=plan.bins) > 0]  # (a rank may leave some empty)
         return assignment, float(worst.max() / max(worst.mean(), 1e-30))
 
     def _partitioner(self, i: int, start: np.ndarray | None, bins: int) -> Callable[[PartitionProblem], Partition]:

@@ -23,7 +23,7 @@ from dflop.cost.protocol import StageSpec, WorkShape
 from dflop.plan.evaluate import Evaluator, inflight_by_stage
 from dflop.program.actions import Kind
 from dflop.timing.costing import group_state
-from dflop.timing.encoder_phase import phase_spec, phase_state
+from dflop.timing.encoder_phase import embedding_copies, phase_spec, phase_state
 from dflop.timing.dpcomm import GroupComm, fsdp_op, group_comm
 from dflop.program.template import plan_groups
 from dflop.schedule.batching import Batching
@@ -84,7 +84,7 @@ class Screener:
         if key not in self._times:
             c = self.p.cost.stage_cost(spec, WorkShape(*shape))
             self._times[key] = (float(c.fwd), float(c.bwd_input), float(c.bwd_weight), float(c.act_bytes),
-                                float(np.max(c.transient_bytes)))
+                                float(np.max(np.maximum(c.transient_bytes, c.forward_transient_bytes))))
         return self._times[key]
 
     def _group_state(self, plan: Plan, layers: dict, module: Module, stages: tuple[int, ...], tp: int) -> tuple[float, float]:
@@ -131,9 +131,8 @@ class Screener:
                 acts.append(a)
                 transient = max(transient, t)
             if plan.heterogeneous:  # a chunk of its encoder phase while it runs; stage 0, its embeddings
-                transient = max(transient, self._phase_chunk(plan))  # (and their gradients, if it trains)
-                held_with_grads = 1 if self.p.training.freeze_encoder else 2
-                state += held_with_grads * plan.microbatches * tokens_cap * model.llm.hidden \
+                transient = max(transient, self._phase_chunk(plan))
+                state += embedding_copies(self.p.training) * plan.microbatches * tokens_cap * model.llm.hidden \
                     * self.p.training.activation_bytes if local == 0 else 0.0
             need = state + max(sum(n * a for n, a in zip(moment, acts)) for moment in held) + transient
             if need > memory:
@@ -200,7 +199,8 @@ class Screener:
         return m * (2 * f + i + w) + (self._exposed(plan, comm, {}, i + w) if comm is not None else 0.0)
 
     def _phase_state(self, plan: Plan) -> float:
-        """The encoder replica's weights, gradients and optimizer state on every GPU."""
+        """The encoder replica's weights, gradients and optimizer state on a GPU holding one (every rank
+        is screened as if it did)."""
         key = ("phase", plan.encoder, plan.zero, plan.fp32_grads)
         if key not in self._state:
             self._state[key] = (0.0, phase_state(plan, self.p.model, self.p.training))

@@ -14,7 +14,8 @@ encoded by whichever encoder replicas held them. Colocated placement runs the
 encoder inside LLM stage 0. Heterogeneous placement runs the LLM's program
 as colocated does, with an encoder phase around it on every rank: an ENCODE op
 first and an ENCODE_B op last, the latter after every rank's last LLM op (the
-all-to-all between them is a collective of the whole job, ``collectives.py``).
+all-to-all between them is a collective of the whole job, ``collectives.py``);
+a frozen encoder has no ENCODE_B, and a disaggregated one no backwards.
 
 An overlapped step ``(F;B)OVERLAP_F_B`` becomes its sub-actions, one op each,
 back to back, marked as a pair (``overlap``); how long the pair takes is the

@@ -21,7 +21,8 @@ that replica still runs m - 1 more microbatches. The per-replica one
 totals, then each replica's split into at most m bins, run in its last
 microbatches; a replica may run fewer (its leading microbatches empty, which
 costs nothing). The faster is kept: timed by the evaluator when one is given,
-else by :func:`pipeline_estimate`; a tie keeps the fixed count.
+else by :func:`pipeline_estimate` (not for a disaggregated plan, whose encoder
+it cannot see); a tie keeps the fixed count.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def pipeline_estimate(loads: np.ndarray, stages: int) -> float:
     back on its busiest stage and fills and drains once with its largest, sum + (stages - 1) x max
     in each dimension (1F1B on equal stages); the step waits for the slowest replica. It does not see
     the order of a disaggregated encoder's microbatches (column k of every replica), which the
-    per-replica candidate makes heavier towards the end; an evaluator does."""
+    per-replica candidate makes heavier towards the end: a disaggregated plan's candidate is judged
+    by an evaluator alone."""
     return float((loads.sum(axis=1) + (stages - 1) * loads.max(axis=1)).max())
 
 
@@ -219,8 +221,10 @@ def schedule_batch(batch: SampleTable, plan: Plan, *, costs: np.ndarray, solver:
                    time_limit: float = 0.5, caps: np.ndarray | None = None, seed: int = 0,
                    backend: str = "cbc", order: str = "light-ends",
                    evaluate: Callable[[np.ndarray], float] | None = None,
-                   partitioner: Callable[[PartitionProblem], Partition] | None = None) -> StepSchedule:
-    """Partition ``batch`` into the plan's bins with ``solver``.
+                   partitioner: Callable[[PartitionProblem], Partition] | None = None,
+                   variable: bool = True) -> StepSchedule:
+    """Partition ``batch`` into the plan's bins with ``solver`` (with ``variable``, the per-replica
+    candidate too, where it applies).
 
     Data-blind solvers keep what data-blind frameworks do: bins in arrival order
     straight onto (replica, microbatch) slots. Data-aware ones slot and order the
@@ -236,8 +240,8 @@ def schedule_batch(batch: SampleTable, plan: Plan, *, costs: np.ndarray, solver:
         resources = np.stack([batch.llm_tokens, batch.tiles], axis=1).astype(float)
     problem = PartitionProblem(costs, plan.bins, resources, caps, batch.ids)
 
-    def solve(p: PartitionProblem, limit: float = time_limit) -> Partition:
-        return partitioner(p) if partitioner is not None else partition(p, solver, time_limit=limit, seed=seed,
+    def solve(p: PartitionProblem, limit: float = time_limit, how: str = solver) -> Partition:
+        return partitioner(p) if partitioner is not None else partition(p, how, time_limit=limit, seed=seed,
                                                                           backend=backend)
 
     result = solve(problem)
@@ -253,10 +257,12 @@ def schedule_batch(batch: SampleTable, plan: Plan, *, costs: np.ndarray, solver:
     slot, used = slot_bins(result.loads, dp, m, encoder_dim=0 if plan.placement == "disaggregated" else None,
                            order=order, evaluate=via(result.assignment))
     fixed = StepSchedule(ids, slot[result.assignment], dp, m, result, used)
-    if not varies(plan, solver):
-        return fixed
+    if not (variable and varies(plan, solver)) or (timed is None and not plan.shares_gpus):
+        return fixed  # (the estimate cannot see a disaggregated encoder's columns: only an evaluator judges)
     try:
-        split = per_replica_bins(problem, dp, m, lambda p, share: solve(p, time_limit * share / 2))
+        # its many small problems by the exchange search alone: an ILP's set-up alone would pass the share
+        quick = solver if solver in ("greedy", "lpt", "kk") else "greedy"
+        split = per_replica_bins(problem, dp, m, lambda p, share: solve(p, time_limit * share / 2, quick))
     except DflopError:  # no split of some replica fits the caps: the fixed count stands
         return fixed
     slot, used = pick(lambda how: tail_slots(split.loads, split.replica_of, m, how), order, via(split.bin_of))
@@ -289,10 +295,11 @@ def bin_batch(batch: SampleTable, plan: Plan, system: System, batching: Batching
               costs: np.ndarray | None = None, solver: str = "greedy", time_limit: float = 0.5,
               backend: str = "cbc", caps: np.ndarray | None = None,
               partitioner: Callable[[PartitionProblem], Partition] | None = None,
-              evaluate: Callable[[np.ndarray], float] | None = None) -> StepSchedule:
+              evaluate: Callable[[np.ndarray], float] | None = None, variable: bool = True) -> StepSchedule:
     """The bins of one global batch for ``plan``: dflop's (``solver``, or ``partitioner``, on the
     per-sample ``costs``, by default the cost model's, candidate orders timed by ``evaluate``, the
-    data-parallel ranks' microbatches kept in step), or a baseline's ``batching`` rule. Every caller
+    data-parallel ranks' microbatches kept in step; with ``variable``, a rank may run fewer), or a
+    baseline's ``batching`` rule. Every caller
     cuts its batches here, so that what the optimizer confirms, what a run schedules, what a torch
     run trains and what a study compares are the same bins."""
     if batching is not Batching.BALANCED:
@@ -302,5 +309,5 @@ def bin_batch(batch: SampleTable, plan: Plan, system: System, batching: Batching
     if costs is None:
         costs = plan_costs(batch, plan, system.model, system.cost)
     schedule = schedule_batch(batch, plan, costs=costs, solver=solver, time_limit=time_limit, backend=backend,
-                              caps=caps, partitioner=partitioner, evaluate=evaluate)
+                              caps=caps, partitioner=partitioner, evaluate=evaluate, variable=variable)
     return replace(schedule, assignment=synchronised(plan, schedule.assignment, costs))

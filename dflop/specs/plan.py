@@ -188,13 +188,17 @@ class Plan:
 
     def describe(self) -> str:
         enc = ("in LLM stage 0" if self.colocated else
-               f"tp{self.encoder.tp} dp{self.encoder.dp} on the LLM's GPUs" if self.heterogeneous else
+               f"tp{self.encoder.tp} dp{self.encoder.dp} on {self._phase_gpus()}" if self.heterogeneous else
                self.encoder.describe())
         memory = f"zero{self.zero}" + (" hsdp" if self.hsdp else "") + (" fp32-grads" if self.fp32_grads else "")
         return (f"encoder {enc} | llm {self.llm.describe()} | {self.placement} | "
                 f"m={self.microbatches} {self.schedule}"
                 + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
                 + f" {memory}" + (f" recompute-{self.recompute}" if self.recompute is not Recompute.NONE else ""))
+
+    def _phase_gpus(self) -> str:
+        held = self.encoder.tp * self.encoder.dp
+        return "the LLM's GPUs" if held >= self.llm.gpus else f"the first {held} of the LLM's {self.llm.gpus} GPUs"
 
     def _schedule_problems(self) -> list[str]:
         """Canonical plans only: one pipeline rank runs every schedule as plain gradient accumulation,

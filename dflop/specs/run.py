@@ -55,6 +55,9 @@ class SchedulerSpec:
     time_limit: float = field(default=0.5, metadata=limit(high=MAX_SECONDS))
     """Seconds the partitioner may spend on one global batch (finite, above 0)."""
     ilp_backend: Literal["cbc", "highs"] = "cbc"
+    variable_microbatches: bool = True
+    """dflop's bins may give a data-parallel rank fewer microbatches than the plan's (its leading ones
+    empty) where that is faster; false fills every microbatch, for a trainer that cannot skip one."""
 
     def __post_init__(self) -> None:
         check_numbers(self)

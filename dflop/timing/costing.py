@@ -180,7 +180,7 @@ class TimingBuilder:
         self.static_bytes, self.comm = self._state()
         self.specs = group_collectives(template)
         self.phase = EncoderPhase(self) if plan.heterogeneous else None
-        if self.phase is not None:  # every GPU also holds its encoder replica's share
+        if self.phase is not None:  # a GPU of the encoder's also holds its replica's share
             self.static_bytes = self.static_bytes + self.phase.static_bytes
 
     def _links(self, a: int, b: int, xa: np.ndarray, xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -268,8 +268,8 @@ class _Costing:
     def _tables(self, g) -> dict[int, dict[str, dict[str, np.ndarray]]]:
         """Per stage of group ``g``: every cost field as a (replicas, microbatches) table, for the
         whole stage ('all') and, where FSDP needs them apart, by module."""
-        fields = ("fwd", "bwd", "bwd_input", "bwd_weight", "act_bytes", "transient_bytes", "flops",
-                  "backward_flops", "recompute_flops")
+        fields = ("fwd", "bwd", "bwd_input", "bwd_weight", "act_bytes", "transient_bytes", "forward_transient_bytes",
+                  "flops", "backward_flops", "recompute_flops")
         shape = (g.replicas, self.b.m)
         out = {}
         for s in g.stages:
@@ -304,7 +304,9 @@ class _Costing:
                 out["flops"][rows] = c["flops"][:, cols].T if k is Kind.F else \
                     c["backward_flops"][:, cols].T * {Kind.B: 1.0, Kind.I: (1.0 - deferred) / 2,
                                                       Kind.W: (1.0 + deferred) / 2}[k]
-                if k is not Kind.F:  # the op that runs the backward through the inputs holds its peak
+                if k is Kind.F:
+                    out["transient"][rows] = c["forward_transient_bytes"][:, cols].T
+                else:  # the op that runs the backward through the inputs holds its peak
                     share = {Kind.B: 1.0, Kind.I: 1.0 - deferred, Kind.W: deferred}[k]
                     out["transient"][rows] = c["transient_bytes"][:, cols].T * share
                     out["recompute"][rows] = c["recompute_flops"][:, cols].T * share

@@ -75,6 +75,8 @@ class Units:
     """Seconds to reduce one unit's gradients (reduce-scatter, plus HSDP's all-reduce)."""
     inline: bool = False
     """Measured: the collectives run inside the op, after one another and its compute."""
+    frozen: frozenset[str] = frozenset()
+    """Modules with no backward (a frozen encoder): nothing of theirs is gathered for one."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ def _units(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: Cluster
             reduce[kind] = float(reduce_scatter_time(p / tp * gb, shards, *shard_link)) + across_s
         if kind in frozen:
             reduce[kind] = 0.0
-    return Units(layers, gather, reduce, inline=measured is not None)
+    return Units(layers, gather, reduce, inline=measured is not None, frozen=frozen - {"root"})
 
 
 def group_comm(plan: Plan, model: MLLMSpec, training: TrainingSpec, cluster: ClusterSpec, params: float,
@@ -208,7 +210,7 @@ def fsdp_op(kind: Kind, units: Units, compute: dict[str, np.ndarray], slowdown: 
                                                                                                    np.ndarray]:
     """(exposed gather before the op, op seconds, communication seconds beside it) of one forward or
     backward over the units; ``compute`` is each module's seconds per replica (all its layers)."""
-    order = [m for m in MODULES for _ in range(units.layers[m])]
+    order = [m for m in MODULES for _ in range(units.layers[m]) if kind is Kind.F or m not in units.frozen]
     if units.inline:  # measured: every unit's collectives after one another, inside the op; the roots
         # stay gathered from forward to backward (FSDP2 never reshards a root after its forward)
         total = sum(np.asarray(compute[m], dtype=float) for m in units.layers) + sum(units.gather[m] for m in order)
@@ -217,7 +219,7 @@ def fsdp_op(kind: Kind, units: Units, compute: dict[str, np.ndarray], slowdown: 
         else:
             total = total + units.reduce["root"] + sum(units.reduce[m] for m in order)
         return 0.0, total, np.zeros(np.shape(total))
-    per_unit = {m: np.asarray(compute[m], dtype=float) / units.layers[m] for m in units.layers}
+    per_unit = {m: np.asarray(compute[m], dtype=float) / units.layers[m] for m in units.layers if units.layers[m]}
     if kind is Kind.F:
         exposed = units.gather["root"] + units.gather[order[0]]
         total, comm = unit_chain(order, per_unit, units.gather, {m: 0.0 for m in units.layers}, slowdown)

@@ -74,8 +74,15 @@ def phase_spec(plan: Plan, model: MLLMSpec) -> StageSpec:
                      recompute=plan.recompute)
 
 
+def embedding_copies(training: TrainingSpec) -> int:
+    """What a stage-0 rank holds of each embedding the all-to-all brings: it, and its gradient where
+    the encoder trains."""
+    return 1 if training.freeze_encoder else 2
+
+
 def phase_state(plan: Plan, model: MLLMSpec, training: TrainingSpec) -> float:
-    """Encoder weights, gradients and optimizer state per GPU (every GPU holds one replica's share)."""
+    """Encoder weights, gradients and optimizer state per GPU holding a replica's share (weights alone
+    for a frozen encoder)."""
     spec = phase_spec(plan, model)
     params = float(stage_params(model, spec))
     return float(sum(state_bytes(params, plan.encoder.tp, plan.encoder.dp, plan.zero, training,
@@ -121,7 +128,8 @@ class EncoderPhase:
         samples = np.bincount(rank, weights=(batch.tiles > 0).astype(float), minlength=plan.encoder.dp)
         chunk = b.cost.stage_cost(self.spec, WorkShape(samples / b.m, tiles / b.m))  # as the phase runs them
         fields = {f: np.broadcast_to(np.asarray(getattr(chunk, f), dtype=float), tiles.shape)
-                  for f in ("fwd", "bwd", "act_bytes", "transient_bytes", "flops", "recompute_flops")}
+                  for f in ("fwd", "bwd", "act_bytes", "transient_bytes", "forward_transient_bytes", "flops",
+                            "recompute_flops")}
         for f in ("fwd", "bwd", "flops", "recompute_flops"):
             fields[f] = fields[f] * b.m
 
@@ -135,10 +143,10 @@ class EncoderPhase:
             return np.array([sum(values[j] for j, _ in mine) for mine in self.touch])
 
         fields["again"] = fields["fwd"] + fields["bwd"]  # ENCODE_B: each chunk's forward, then its backward
-        fields["chunk"] = fields["act_bytes"] + fields["transient_bytes"]
+        fields["chunk"] = fields["act_bytes"] + np.maximum(fields["transient_bytes"], fields["forward_transient_bytes"])
         exchange, received = self._exchange(batch, assignment, rank)
-        held_with_grads = 1 if b.t.frozen_encoder else 2  # the embeddings, and their gradients where they train
-        return EncoderWork(to_ns(most("fwd")), to_ns(most("again")), most("chunk"), held_with_grads * received,
+        return EncoderWork(to_ns(most("fwd")), to_ns(most("again")), most("chunk"),
+                           embedding_copies(b.training) * received,
                            per_gpu(fields["flops"]), per_gpu(fields["recompute_flops"]),
                            held(samples), held(tiles), exchange)
 

@@ -55,6 +55,8 @@ class CostedPlan:
     def __init__(self, plan: Plan, system: System, template: Template | None = None) -> None:
         self.plan, self.system = plan, system
         self.template = template or build_template(plan, frozen_encoder=system.training.freeze_encoder)
+        if self.template.frozen_encoder != system.training.freeze_encoder:
+            raise ValueError("the template's frozen encoder is not the recipe's (build_template(frozen_encoder=))")
         self.builder = TimingBuilder(self.template, system)
 
     def step(self, index: int, batch: SampleTable, assignment: np.ndarray) -> Step:

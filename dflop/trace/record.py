@@ -34,7 +34,8 @@ def worker_records(graph: StepGraph, costs: StepCosts | None = None,
         record = {"name": w.name, "module": str(w.module), "rank": w.pp_rank, "replica": w.replica,
                   "gpus": list(w.gpus)}
         if graph.template.plan.heterogeneous:
-            record["encoder_phase"] = True  # it also runs encoder replicas, in ENCODE and ENCODE_B
+            record["encoder_phase"] = True  # it takes part in the phase (ENCODE, the all-to-alls), if only
+            # to receive: its GPUs may hold no encoder replica
         if costs is not None:
             record["capacity_bytes"] = costs.capacity
             record["static_bytes"] = float(costs.static_bytes[w.index])
