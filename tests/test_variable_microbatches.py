@@ -10,10 +10,11 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 from dflop.cost import AnalyticalCostModel, System
-from dflop.errors import InfeasibleError
+from dflop.errors import DflopError, InfeasibleError
 from dflop.plan.evaluate import BatchPool, Evaluator, PlanningProblem, quick
 from dflop.schedule import step
 from dflop.schedule.batching import Batching
+from dflop.schedule.heuristics import lpt, lpt_groups
 from dflop.schedule.problem import PartitionProblem
 from dflop.schedule.step import StepSchedule, bin_batch, plan_costs, schedule_batch
 from dflop.specs import ClusterSpec, ModulePlan, Plan, TrainingSpec, presets
@@ -210,3 +211,30 @@ def test_the_optimizer_s_partitioner_tells_the_replicas_and_their_splits_apart()
                              caps=ev.caps(plan), partitioner=quick)
         assert (ev.assignment(plan, i, Batching.BALANCED)[0] == expected.assignment).all()
         check_bins(expected, batch, ev.caps(plan))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 30), st.integers(1, 2), st.booleans(), st.integers(0, 2**16))
+def test_every_group_s_lpt_at_once_is_lpt_of_each_group(groups, extra, dims, capped, seed):
+    """The optimizer's splits of thousands of replicas in one pass place every item where LPT of its
+    replica alone places it, and fail (no room under the caps) exactly where that does."""
+    rng = np.random.default_rng(seed)
+    group = np.concatenate([np.arange(groups), rng.integers(0, groups, extra)])
+    n = len(group)
+    costs = rng.integers(0, 6, (n, dims)).astype(float)
+    resources, caps = (rng.integers(1, 5, (n, 2)).astype(float), np.array([8.0, 9.0])) if capped else (None, None)
+    bins = np.minimum(np.bincount(group, minlength=groups), rng.integers(1, 5, groups))
+    expected, feasible = np.empty(n, dtype=np.int64), True
+    for g in range(groups):
+        mine = np.flatnonzero(group == g)
+        try:
+            expected[mine] = lpt(PartitionProblem(costs[mine], int(bins[g]), None if resources is None else
+                                                  resources[mine], caps))
+        except DflopError:
+            feasible = False
+    try:
+        got = lpt_groups(PartitionProblem(costs, n, resources, caps), group, bins)
+    except DflopError:
+        assert not feasible
+    else:
+        assert feasible and (got == expected).all()

@@ -98,12 +98,18 @@ def slot_bins(loads: np.ndarray, replicas: int, microbatches: int, *, encoder_di
 
 def tail_slots(loads: np.ndarray, replica_of: np.ndarray, microbatches: int, how: str) -> np.ndarray:
     """Slot of every bin when replica ``replica_of[b]`` runs its own bins (at most ``microbatches``)
-    in its last slots, ordered ``how`` among themselves by their heaviest dimension."""
-    slot = np.empty(len(loads), dtype=np.int64)
-    for r in np.unique(replica_of):
-        mine = np.flatnonzero(replica_of == r)
-        slot[mine[_order(loads[mine].max(axis=1), how)]] = (r + 1) * microbatches - len(mine) + np.arange(len(mine))
-    return slot
+    in its last slots, ordered ``how`` among themselves by their heaviest dimension (as ``_order``
+    orders a column's; every replica at once: thousands of them)."""
+    n = len(loads)
+    k = np.bincount(replica_of)[replica_of]  # each bin's replica's bin count
+    key = loads.max(axis=1) if how != "as-solved" else np.zeros(n)
+    by_load = np.lexsort((np.arange(n), key, replica_of))  # by replica, then load, ties in bin order
+    first = np.cumsum(np.bincount(replica_of)) - np.bincount(replica_of)
+    i = np.empty(n, dtype=np.int64)  # each bin's rank by load among its replica's
+    i[by_load] = np.arange(n) - first[replica_of[by_load]]
+    position = {"as-solved": i, "ascending": i, "descending": k - 1 - i}.get(
+        how, np.where(i % 2 == 0, i // 2, k - 1 - i // 2))  # light-ends: lightest first, next lightest last
+    return replica_of * microbatches + microbatches - k + position
 
 
 def pick(slots_for: Callable[[str], np.ndarray], order: str,

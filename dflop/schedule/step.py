@@ -37,6 +37,7 @@ from dflop.cost.protocol import CostModel, StageSpec, WorkShape
 from dflop.cost.system import System
 from dflop.errors import DflopError
 from dflop.schedule.batching import Batching, assign, synchronised, vpp_group
+from dflop.schedule.heuristics import lpt_groups
 from dflop.schedule.problem import Partition, PartitionProblem
 from dflop.schedule.slots import pick, slot_bins, tail_slots
 from dflop.schedule.solve import partition
@@ -184,27 +185,46 @@ class ReplicaBins:
 
 
 def per_replica_bins(problem: PartitionProblem, replicas: int, microbatches: int,
-                     solve: Callable[[PartitionProblem, float], Partition]) -> ReplicaBins:
+                     solve: Callable[[PartitionProblem, float], Partition], at_once: bool = False) -> ReplicaBins:
     """The per-replica candidate's bins of ``problem`` (whose bins are the plan's): the items
     balanced over the replicas by their totals (each replica within ``microbatches`` bins' caps),
     then each replica's items split into min(``microbatches``, its items) bins under the per-bin
-    caps. ``solve(problem, share)`` solves with ``share`` of the candidate's time: half for the
-    replicas, half for the splits. Raises :class:`DflopError` where a split fails (a replica's
+    caps: a replica of at most that many items runs each alone, with nothing to balance, and only
+    the others are solved (at thousands of replicas, most hold a few samples). ``solve(problem,
+    share)`` solves with ``share`` of the candidate's time: half for the replicas, half for the
+    splits; ``at_once``, the splits are LPT's, every replica's together (``lpt_groups``: the
+    optimizer's thousands of them). Raises :class:`DflopError` where a split fails (a replica's
     items fit no split under the caps)."""
     caps = None if problem.caps is None else problem.caps * microbatches
     over = solve(PartitionProblem(problem.costs, replicas, problem.resources, caps, problem.ids), 0.5)
-    bin_of = np.empty(problem.n, dtype=np.int64)
-    replica_of, loads = [], []
-    for r in range(replicas):
-        mine = np.flatnonzero(over.assignment == r)
-        part = solve(PartitionProblem(problem.costs[mine], min(microbatches, len(mine)),
+    counts = np.bincount(over.assignment, minlength=replicas)
+    k = np.minimum(counts, microbatches)  # bins of each replica, numbered replica by replica
+    first = np.cumsum(k) - k
+    starts = np.cumsum(counts) - counts
+    by_replica = np.argsort(over.assignment, kind="stable")  # each replica's items, in item order
+    rank = np.empty(problem.n, dtype=np.int64)
+    rank[by_replica] = np.arange(problem.n) - np.repeat(starts, counts)
+    bin_of = first[over.assignment] + rank  # each alone; the larger replicas' splits below
+    big = np.flatnonzero(counts > microbatches)
+    if at_once and len(big):
+        mine = np.flatnonzero(counts[over.assignment] > microbatches)
+        local = lpt_groups(PartitionProblem(problem.costs[mine], microbatches * len(big),
+                                            None if problem.resources is None else problem.resources[mine],
+                                            problem.caps), np.searchsorted(big, over.assignment[mine]),
+                           np.full(len(big), microbatches))
+        bin_of[mine] = first[over.assignment[mine]] + local
+        big = big[:0]
+    for r in big:
+        mine = by_replica[starts[r]:starts[r] + counts[r]]
+        part = solve(PartitionProblem(problem.costs[mine], microbatches,
                                       None if problem.resources is None else problem.resources[mine], problem.caps,
                                       None if problem.ids is None else [problem.ids[i] for i in mine]),
-                     0.5 / replicas)
-        bin_of[mine] = len(replica_of) + part.assignment
-        replica_of += [r] * len(part.loads)
-        loads.append(part.loads)
-    return ReplicaBins(over, bin_of, np.array(replica_of, dtype=np.int64), np.concatenate(loads))
+                     0.5 / len(big))
+        bin_of[mine] = first[r] + part.assignment
+    bins = int(k.sum())
+    loads = np.stack([np.bincount(bin_of, weights=problem.costs[:, d], minlength=bins)
+                      for d in range(problem.dims)], axis=1)
+    return ReplicaBins(over, bin_of, np.repeat(np.arange(replicas), k), loads)
 
 
 def varies(plan: Plan, solver: str) -> bool:
@@ -262,7 +282,8 @@ def schedule_batch(batch: SampleTable, plan: Plan, *, costs: np.ndarray, solver:
     try:
         # its many small problems by the exchange search alone: an ILP's set-up alone would pass the share
         quick = solver if solver in ("greedy", "lpt", "kk") else "greedy"
-        split = per_replica_bins(problem, dp, m, lambda p, share: solve(p, time_limit * share / 2, quick))
+        split = per_replica_bins(problem, dp, m, lambda p, share: solve(p, time_limit * share / 2, quick),
+                                 at_once=partitioner is not None)
     except DflopError:  # no split of some replica fits the caps: the fixed count stands
         return fixed
     slot, used = pick(lambda how: tail_slots(split.loads, split.replica_of, m, how), order, via(split.bin_of))
