@@ -19,6 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from bench_optimizer import SHORT, problem
+from dflop.errors import InfeasibleError
 from dflop.plan.evaluate import BatchPool, Evaluator
 from dflop.plan.search import optimize
 from dflop.schedule.batching import Batching
@@ -42,8 +43,9 @@ def wide(dp: int, m: int, tp: int, pp: int) -> Plan:
                 microbatches=m, recompute="full")
 
 
-def compare(p, global_batch: int, plan: Plan) -> tuple[dict[str, float], int]:
-    """Mean step s per (path, fixed or variable), and the batches where a rank ran fewer microbatches."""
+def compare(p, global_batch: int, plan: Plan, within: Batching | None = None) -> tuple[dict[str, float], int]:
+    """Mean step s per (path, fixed or variable), and the batches where a rank ran fewer microbatches;
+    the optimizer's bins within its caps, or, as it cuts a baseline's plan, ``within`` that rule's bins."""
     runner = CostedPlan(plan, p.system)
     pool = BatchPool(p.data, global_batch, p.seed)  # the optimizer's batches
     evaluators = {v: Evaluator(replace(p, variable_microbatches=v), pool) for v in (False, True)}
@@ -56,10 +58,12 @@ def compare(p, global_batch: int, plan: Plan) -> tuple[dict[str, float], int]:
         def timed(a: np.ndarray) -> float:
             return evaluate(runner.step(0, batch, a).timing).step_ns / 1e9
 
-        for v in (False, True):  # the optimizer's bins within its memory caps; a run's without
-            optimizer_bins = evaluators[v].assignment(plan, i, Batching.BALANCED)[0]
+        for v in (False, True):  # the optimizer's bins within its memory caps (nan: none fit); a run's without
+            try:
+                steps[("optimizer", v)].append(timed(evaluators[v].assignment(plan, i, Batching.BALANCED, within)[0]))
+            except InfeasibleError:
+                steps[("optimizer", v)].append(float("nan"))
             run_bins = bin_batch(batch, plan, p.system, costs=costs, solver="greedy", evaluate=timed, variable=v)
-            steps[("optimizer", v)].append(timed(optimizer_bins))
             steps[("run", v)].append(timed(run_bins.assignment))
             fewer += v and min(run_bins.per_rank()) < plan.microbatches
     return {f"{path} {'variable' if v else 'fixed'}": float(np.mean(t)) for (path, v), t in steps.items()}, fewer
@@ -77,13 +81,15 @@ def main() -> None:
         end = time.perf_counter()
         print(f"{name}: searched in {middle - start:.1f} s filled, {end - middle:.1f} s free; best "
               f"{fixed.best.mean:.3f} -> {free.best.mean:.3f} s ({fixed.best.mean / free.best.mean:.3f}x)", flush=True)
-        for label, plan in (("optimizer's", fixed.best.plan), ("wide", wide(*shape) if shape else None)):
+        for label, plan, within in (("optimizer's", fixed.best.plan, fixed.best.within),
+                                    ("wide", wide(*shape) if shape else None, None)):
             if plan is None:
                 continue
-            t, fewer = compare(p, batch, plan)
-            rows.append(f"| {name} | {label}: {plan.describe().replace(' | ', '; ')} | "
-                        f"{t['optimizer fixed']:.3f} / {t['optimizer variable']:.3f} "
-                        f"({t['optimizer fixed'] / t['optimizer variable']:.3f}x) | "
+            t, fewer = compare(p, batch, plan, within)
+            cut = (f"{t['optimizer fixed']:.3f} / {t['optimizer variable']:.3f} "
+                   f"({t['optimizer fixed'] / t['optimizer variable']:.3f}x)" if np.isfinite(t["optimizer fixed"])
+                   else "no bins within its memory caps")
+            rows.append(f"| {name} | {label}: {plan.describe().replace(' | ', '; ')} | {cut} | "
                         f"{t['run fixed']:.3f} / {t['run variable']:.3f} ({t['run fixed'] / t['run variable']:.3f}x) | "
                         f"{fewer}/{BATCHES} |")
         rows.append(f"| {name} | the optimizer's best, searched each way | {fixed.best.mean:.3f} / {free.best.mean:.3f} "
