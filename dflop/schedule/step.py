@@ -213,14 +213,14 @@ def per_replica_bins(problem: PartitionProblem, replicas: int, microbatches: int
                                             problem.caps), np.searchsorted(big, over.assignment[mine]),
                            np.full(len(big), microbatches))
         bin_of[mine] = first[over.assignment[mine]] + local
-        big = big[:0]
-    for r in big:
-        mine = by_replica[starts[r]:starts[r] + counts[r]]
-        part = solve(PartitionProblem(problem.costs[mine], microbatches,
-                                      None if problem.resources is None else problem.resources[mine], problem.caps,
-                                      None if problem.ids is None else [problem.ids[i] for i in mine]),
-                     0.5 / len(big))
-        bin_of[mine] = first[r] + part.assignment
+    else:
+        for r in big:
+            mine = by_replica[starts[r]:starts[r] + counts[r]]
+            part = solve(PartitionProblem(problem.costs[mine], microbatches,
+                                          None if problem.resources is None else problem.resources[mine], problem.caps,
+                                          None if problem.ids is None else [problem.ids[i] for i in mine]),
+                         0.5 / len(big))
+            bin_of[mine] = first[r] + part.assignment
     bins = int(k.sum())
     loads = np.stack([np.bincount(bin_of, weights=problem.costs[:, d], minlength=bins)
                       for d in range(problem.dims)], axis=1)
