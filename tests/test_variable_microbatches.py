@@ -133,6 +133,10 @@ def test_a_heavy_sample_s_replica_runs_fewer_microbatches_and_the_step_is_faster
     assert chosen.per_rank()[video] < plan.microbatches
     check_bins(chosen, batch)
     assert chosen.to_json()["per_rank"] == list(chosen.per_rank())
+    loads = chosen.partition.loads  # the plan's bins, as for a fixed count: the empty ones load nothing
+    assert loads.shape == (plan.bins, costs.shape[1]) and chosen.partition.makespan == loads.max()
+    assert (loads[np.bincount(chosen.assignment, minlength=plan.bins) == 0] == 0).all()
+    assert chosen.partition.lower_bound == fixed.partition.lower_bound
 
 
 @pytest.mark.parametrize("name", sorted(PLACEMENTS))

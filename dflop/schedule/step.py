@@ -38,7 +38,7 @@ from dflop.cost.system import System
 from dflop.errors import DflopError
 from dflop.schedule.batching import Batching, assign, synchronised, vpp_group
 from dflop.schedule.heuristics import lpt_groups
-from dflop.schedule.problem import Partition, PartitionProblem
+from dflop.schedule.problem import REL_EPS, Partition, PartitionProblem, Status
 from dflop.schedule.slots import pick, slot_bins, tail_slots
 from dflop.schedule.solve import partition
 from dflop.specs import scheduling
@@ -61,8 +61,8 @@ class StepSchedule:
     replicas: int
     microbatches: int
     partition: Partition | None = None
-    """What the solver balanced: the bins for a fixed count; for a per-replica schedule the replicas
-    (its makespan is the heaviest replica's total), each then split on its own."""
+    """The plan's bins as the solver left them (a per-replica schedule's empty ones load nothing):
+    the heaviest, the problem's lower bound, the gap between them."""
     order: str = "as-solved"
 
     def bins(self) -> list[list[list[str]]]:
@@ -227,6 +227,16 @@ def per_replica_bins(problem: PartitionProblem, replicas: int, microbatches: int
     return ReplicaBins(over, bin_of, np.repeat(np.arange(replicas), k), loads)
 
 
+def in_bins(problem: PartitionProblem, assignment: np.ndarray, solved: Partition) -> Partition:
+    """A per-replica schedule as a partition of the plan's bins (``finish`` refuses empty ones): its
+    heaviest bin against the bins' lower bound, searched as the replicas were."""
+    loads = problem.loads(assignment)
+    makespan, bound = float(loads.max()), problem.lower_bound()
+    status = Status.OPTIMAL if makespan <= bound * (1 + REL_EPS) else \
+        Status.HEURISTIC if solved.status is Status.HEURISTIC else Status.FEASIBLE
+    return Partition(assignment, makespan, bound, status, solved.solver, solved.seconds, loads)
+
+
 def varies(plan: Plan, solver: str) -> bool:
     """Whether the per-replica candidate applies: data-aware bins, several replicas and microbatches,
     and replicas that meet only at the step's end (with ZeRO-3 they meet before every op, so a
@@ -287,7 +297,8 @@ def schedule_batch(batch: SampleTable, plan: Plan, *, costs: np.ndarray, solver:
     except DflopError:  # no split of some replica fits the caps: the fixed count stands
         return fixed
     slot, used = pick(lambda how: tail_slots(split.loads, split.replica_of, m, how), order, via(split.bin_of))
-    variable = StepSchedule(ids, slot[split.bin_of], dp, m, split.partition, used)
+    assignment = slot[split.bin_of]
+    variable = StepSchedule(ids, assignment, dp, m, in_bins(problem, assignment, split.partition), used)
 
     def score(s: StepSchedule) -> float:
         return timed(s.assignment) if timed is not None else \
