@@ -34,7 +34,7 @@ class FrozenEncoder:
         c = self.inner.stage_cost(StageSpec(stage.module, stage.layers, stage.tp, stage.first, stage.last,
                                             Recompute.NONE), shape)
         zero = 0.0 * c.fwd
-        return StageCost(c.fwd, zero, zero, zero, c.flops, zero, trained_flops=zero,
+        return StageCost(c.fwd, zero, zero, zero, c.flops, zero, untrained_flops=c.flops,
                          forward_transient_bytes=c.act_bytes / max(stage.layers, 1))
 
     def fsdp_unit(self, shards: int) -> Callable[[float], tuple[float, float]] | None:

@@ -98,15 +98,16 @@ class StageCost:
     gradient of the loss, one layer's recomputed activations."""
     recompute_flops: Array = 0.0
     """FLOPs the backward spends recomputing the forward (hardware FLOPs beyond the model's)."""
-    trained_flops: Array = 1.0
-    """The fraction of ``flops`` whose backward runs (twice as many FLOPs): 0 for a frozen encoder."""
+    untrained_flops: Array = 0.0
+    """Of ``flops``, those with no backward (a frozen encoder's): every other forward FLOP's backward
+    runs twice as many."""
     forward_transient_bytes: Array = 0.0
     """Bytes held for a moment during the forward beyond the kept activations: a forward without
     autograd (a frozen encoder) holds one layer's at a time, and keeps none."""
 
     @property
     def backward_flops(self) -> Array:
-        return 2.0 * self.flops * self.trained_flops
+        return 2.0 * (self.flops - self.untrained_flops)
 
     @property
     def bwd(self) -> Array:
@@ -119,7 +120,7 @@ class StageCost:
                          self.bwd_weight + other.bwd_weight, self.act_bytes + other.act_bytes,
                          self.flops + other.flops, np.maximum(self.transient_bytes, other.transient_bytes),
                          self.recompute_flops + other.recompute_flops,
-                         _ratio(self.backward_flops + other.backward_flops, 2.0 * (self.flops + other.flops)),
+                         self.untrained_flops + other.untrained_flops,
                          np.maximum(self.forward_transient_bytes, other.forward_transient_bytes))
 
     def backward_in_weight_step(self, where: Array = True) -> "StageCost":
@@ -132,14 +133,8 @@ class StageCost:
     def scaled(self, factor: Array) -> "StageCost":
         """Time scaled by ``factor`` (bytes and FLOPs unchanged)."""
         return StageCost(self.fwd * factor, self.bwd_input * factor, self.bwd_weight * factor,
-                         self.act_bytes, self.flops, self.transient_bytes, self.recompute_flops, self.trained_flops,
+                         self.act_bytes, self.flops, self.transient_bytes, self.recompute_flops, self.untrained_flops,
                          self.forward_transient_bytes)
-
-
-def _ratio(part: Array, whole: Array) -> Array:
-    """``part / whole``, 1 where ``whole`` is 0 (no FLOPs: nothing untrained among them)."""
-    whole = np.asarray(whole, dtype=float)
-    return np.where(whole > 0, np.asarray(part, dtype=float) / np.where(whole > 0, whole, 1.0), 1.0)
 
 
 @runtime_checkable
