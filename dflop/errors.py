@@ -19,6 +19,16 @@ class DflopError(Exception):
     """Bad input or an impossible request, explained in one line."""
 
 
+LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+"""What ``str.splitlines`` breaks a line at."""
+
+
+def one_line(value: object) -> str:
+    """``value`` as text a one-line message can quote: its line breaks escaped (a path or a name
+    from the user's input may hold one)."""
+    return "".join(repr(c)[1:-1] if c in LINE_BREAKS else c for c in str(value))
+
+
 class SpecError(DflopError):
     """A model, hardware, cluster, plan or run spec is invalid."""
 

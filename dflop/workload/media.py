@@ -20,6 +20,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from dflop.errors import one_line
 from dflop.workload.entries import EntryError
 
 MAX_PIXELS = 2 * 89_478_485
@@ -65,7 +66,7 @@ def check_pixels(width: int, height: int, where: str, what: str) -> tuple[int, i
 def require_file(file: Path, where: str, name: str, hint: str) -> None:
     """``hint`` says where relative paths resolve and how to change it."""
     if not file.is_file():
-        raise EntryError(f"{where}: field '{name}': file '{file}' not found ({hint})", "missing file")
+        raise EntryError(f"{where}: field '{name}': file '{one_line(file)}' not found ({hint})", "missing file")
 
 
 def image_size(file: Path, where: str, name: str, hint: str) -> tuple[int, int]:
