@@ -135,17 +135,40 @@ def test_a_profile_of_another_machine_is_said_and_calibrated_when_asked(monkeypa
 
     monkeypatch.setattr(drift, "calibrate", measure)
     lines = []
-    calibrated_setup = job.check_machine(s, True, lines.append)
-    assert lines[0].startswith(f"dflop: warning: profile measured on <Some Other CPU, {there['capability']}>, "
-                               f"this is <{here['cpu']}, {here['capability']}>: `dflop profile check`")
-    assert "dflop profile model" in lines[0] and "shapes ran 2.50x the recorded time here" in lines[1]
+    warning = job.planning_machine_warning(True)(s.system.cost)
+    assert warning.startswith(f"dflop: warning: profile measured on <Some Other CPU, {there['capability']}>, "
+                              f"this is <{here['cpu']}, {here['capability']}>: `dflop profile check`")
+    assert "dflop profile model" in warning and "--calibrate" not in warning
+    assert "(--calibrate scales it to this machine)" in job.planning_machine_warning(False)(s.system.cost)
+    calibrated_setup = job.calibrate_setup(s, lines.append)
+    assert "shapes ran 2.50x the recorded time here" in lines[0]
     assert asked == [{"tiny-vit": None, "tiny-llm": None}]
     shape, stage = _shape(Module.LLM, 512), StageSpec(Module.LLM, layers=2, tp=1, first=False, last=False)
     assert calibrated_setup.system.cost.stage_cost(stage, shape).fwd == pytest.approx(
         2.0 * s.system.cost.stage_cost(stage, shape).fwd, rel=1e-6)
-    lines.clear()  # the same machine: nothing to say, and nothing measured without --calibrate
-    s.system.cost.records = [{**r, "machine": here} for r in s.system.cost.records]
-    assert job.check_machine(s, False, lines.append) is s and lines == [] and len(asked) == 1
+    s.system.cost.records = [{**r, "machine": here} for r in s.system.cost.records]  # the same machine: silence
+    assert job.planning_machine_warning(False)(s.system.cost) == ""
+
+
+def test_the_machine_warning_is_a_job_s_first_line_before_what_setup_says(tmp_path):
+    """A profile measured elsewhere moves every time the job reports: the user reads it first, before
+    the line naming the cost model (and a plan file's cluster), and a job on this machine's own
+    profile says nothing of it."""
+    from dflop.jobs.setup import setup
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"encoder": {"dp": 4}, "llm": {"dp": 4}, "placement": "colocated",
+                                    "microbatches": 1, "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": 4}}))
+    from dflop.specs.plan_file import load_plan
+
+    said = []
+    for machine in (lambda cost: "dflop: warning: elsewhere", lambda cost: ""):
+        lines = []
+        setup(None, backend="torch", log=lines.append, machine=machine, plan_file=load_plan(plan))
+        said.append(lines)
+    elsewhere, here = said
+    assert elsewhere == ["dflop: warning: elsewhere"] + here
+    assert "was made for" in here[0] and "cost model: profiled" in here[1]
 
 
 def test_a_gpu_profile_on_a_machine_without_that_gpu_is_not_calibrated():
@@ -175,7 +198,7 @@ def test_a_torch_run_calibrates_and_reports_predictions_scaled_by_the_ratios_it_
         "plan": {"encoder": {"dp": 2}, "llm": {"dp": 2}, "placement": "colocated", "microbatches": 1}}))
     lines = []
     data = run(get_backend("torch"), config, steps=2, out=tmp_path / "out", log=lines.append)
-    assert any("profile measured on an unknown machine" in line and "calibrating" in line for line in lines)
+    assert lines[0].startswith("dflop: warning: profile measured on an unknown machine") and "calibrating" in lines[0]
     c = data["calibration"]
     assert set(c["ratios"]) == {"encoder block", "encoder embed", "encoder projector", "llm block", "llm embed",
                                 "llm head"}

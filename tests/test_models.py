@@ -28,6 +28,40 @@ def test_varlen_attention_matches_the_naive_reference(lengths, causal, groups, s
 
 
 @pytest.mark.numerics
+@settings(max_examples=20)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4), groups=st.sampled_from([1, 2]),
+       seed=st.integers(0, 1000))
+def test_causal_samples_are_attended_at_aligned_lengths_with_the_reference_s_gradients(lengths, groups, seed):
+    """A causal sample runs SDPA padded to a multiple of CAUSAL_ALIGN (an unaligned length runs its
+    math kernel up to 40% slower than the round lengths a profile measures) and nothing of the padding
+    reaches the outputs or the gradients."""
+    import dflop.models.attention as attention
+
+    torch.manual_seed(seed)
+    t = sum(lengths)
+    inputs = [torch.randn(t, h, 8, dtype=torch.float64, requires_grad=True) for h in (2 * groups, 2, 2)]
+    _, cu = pack(lengths)
+    seen, sdpa = [], attention.F.scaled_dot_product_attention
+
+    def recording(q, *args, **kwargs):
+        seen.append(q.shape[-2])
+        return sdpa(q, *args, **kwargs)
+
+    attention.F.scaled_dot_product_attention = recording
+    try:
+        fast = varlen_attention(*inputs, cu, causal=True, use_flash=False)
+    finally:
+        attention.F.scaled_dot_product_attention = sdpa
+    assert seen == [-(-n // attention.CAUSAL_ALIGN) * attention.CAUSAL_ALIGN for n in lengths]
+    weights = torch.randn_like(fast)
+    grads = torch.autograd.grad((fast * weights).sum(), inputs)
+    slow = reference_attention(*inputs, cu, causal=True)
+    expected = torch.autograd.grad((slow * weights).sum(), inputs)
+    assert torch.allclose(fast, slow, atol=1e-10)
+    assert all(torch.allclose(g, e, atol=1e-10) for g, e in zip(grads, expected))
+
+
+@pytest.mark.numerics
 def test_the_flash_attn_path_keeps_the_varlen_kernel_s_contract(monkeypatch):
     """flash-attn runs only on a GPU, so its path is held here to what its varlen kernel takes
     (flash_attn 2.x ``flash_attn_varlen_func``): (tokens, heads, dim) tensors, query heads a multiple

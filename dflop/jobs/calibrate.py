@@ -139,14 +139,24 @@ def calibrate_for(cost: CostModel, arms: list[tuple[Plan, list[ScheduledBatch]]]
     return calibrate_cost(cost, log, sizes, tps, progress, sample_lengths(cost, arms))
 
 
-def check_machine(s: Setup, calibrate: bool, log: Callable[[str], None]) -> Setup:
-    """A planning job's (`dflop optimize`, `dflop simulate`) check of its cost model: a line when its
-    profile was measured elsewhere, pointing to what measures it here; with ``calibrate``, ``s``
-    with its cost model calibrated at the middle of the profile's grid (the plan, whose microbatch
-    sizes a run measures around, is not known yet), planning included."""
-    if note := machine_note(s.system.cost):
-        log(f"dflop: warning: {note}: {CHECK}" + ("" if calibrate else " (--calibrate scales it to this machine)"))
-    if not calibrate:
-        return s
+def machine_warning(then: str) -> Callable[[CostModel], str]:
+    """``setup``'s ``machine``: ``dflop: warning: <what differs>: <then>`` for a cost model whose profile
+    was measured on another machine (``machine_note``), '' for any other."""
+    def line(cost: CostModel) -> str:
+        note = machine_note(cost)
+        return f"dflop: warning: {note}: {then}" if note else ""
+    return line
+
+
+def planning_machine_warning(calibrate: bool) -> Callable[[CostModel], str]:
+    """A planning job's (`dflop optimize`, `dflop simulate`) warning of a profile measured elsewhere,
+    pointing to what measures it here."""
+    return machine_warning(CHECK + ("" if calibrate else " (--calibrate scales it to this machine)"))
+
+
+def calibrate_setup(s: Setup, log: Callable[[str], None]) -> Setup:
+    """``s`` with its cost model calibrated at the middle of the profile's grid (`--calibrate` of a
+    planning job: the plan, whose microbatch sizes a run measures around, is not known yet), planning
+    included."""
     cost, _ = calibrate_cost(s.system.cost, log)
     return replace(s, system=replace(s.system, cost=cost))

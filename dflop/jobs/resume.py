@@ -15,11 +15,12 @@ import json
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from dflop.backends.base import ScheduledBatch
+from dflop.cost.protocol import CostModel
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder, remove_left_over
 from dflop.schedule.batching import Batching
@@ -189,11 +190,11 @@ def read_run(folder: Path) -> dict[str, Any]:
 
 def resume_run(config: RunConfig, config_path: Path | None, folder: Path, *, steps: int | None,
                plan_file: PlanFile | None, gpus: int | None, nodes: int | None, backend: str,
-               log: Log) -> tuple[Setup, list[Arm], dict[str, Any]]:
+               log: Log, machine: Callable[[CostModel], str] | None = None) -> tuple[Setup, list[Arm], dict[str, Any]]:
     """The run in ``folder``, checked against its record: the config (its ``execution`` as ``config``
     holds it, the command line's options applied), ``--plan``, ``--steps``, ``--gpus`` and ``--nodes``
     (when given) agree with it, and it is not finished; with what its planning found (``planning``).
-    ``backend``: whose embedded config a run without one ran."""
+    ``backend``: whose embedded config a run without one ran; ``machine``: as ``setup``'s."""
     run = read_run(folder)
     if all((folder / f"{name}.result.json").exists() for name in run["plans"]):
         raise DflopError(f"{folder}: this run is finished ({run['steps']} of {run['steps']} steps); nothing to resume")
@@ -204,7 +205,7 @@ def resume_run(config: RunConfig, config_path: Path | None, folder: Path, *, ste
         _agree(folder, "plans.dflop", run["plans"]["dflop"], config.plan, f"{config_name} (its plan:) says")
     own = load_plan(_plan_path("dflop", folder))
     s = setup(config_path, gpus=gpus, nodes=nodes, plan_file=own, backend=backend, log=log,
-              execution=config.execution)
+              execution=config.execution, machine=machine)
     says = {"dflop_version": "this dflop is", "steps": "--steps says" if steps else f"{config_name} says",
             "cluster": "--gpus/--nodes say" if gpus or nodes else f"{own.path} says"}
     for key, value in run_record(s, steps or s.config.steps).items():

@@ -24,6 +24,7 @@ import numpy as np
 
 from dflop.backends.base import Backend, BackendResult, ObservedStep
 from dflop.cost.calibration import Calibration
+from dflop.cost.protocol import CostModel
 from dflop.cost.select import prediction_error
 from dflop.cost.system import System
 from dflop.errors import DflopError, ensure_writable_folder
@@ -133,15 +134,14 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
             ensure_writable_folder(folder, "output")
             if resume is not None:
                 s, arms, planning = resume_run(config, config_path, resume, steps=steps, plan_file=plan_file,
-                                               gpus=gpus, nodes=nodes, backend=backend.defaults, log=log)
-                _say_machine(backend, s.system, calibrate, log)
+                                               gpus=gpus, nodes=nodes, backend=backend.defaults, log=log,
+                                               machine=_machine_warning(backend, calibrate))
             else:
                 s = setup(config_path, gpus=gpus, nodes=nodes, plan_file=plan_file, backend=backend.defaults, log=log,
-                          execution=config.execution)
+                          execution=config.execution, machine=_machine_warning(backend, calibrate))
                 start = check_start(s, steps or s.config.steps, folder)
                 if s.config.plan is not None:
                     backend.refuse(s.config.plan)
-                _say_machine(backend, s.system, calibrate, log)
                 clear(folder, log)  # once the run's inputs are known good: a refused run removes nothing
                 arms, planning = plan_arms(s, steps or s.config.steps, folder, log, progress, noise, start)
             todo = [arm for arm in arms if arm.measured is None]
@@ -192,13 +192,14 @@ def _count(progress: Progress, name: str, steps: int) -> Callable[[int], None]:
     return tell
 
 
-def _say_machine(backend: Backend, system: System, calibrate: bool, log: Log) -> None:
-    """On a backend that runs on this machine, a line when the profile was measured elsewhere."""
-    from dflop.jobs.calibrate import machine_note
+def _machine_warning(backend: Backend, calibrate: bool) -> Callable[[CostModel], str] | None:
+    """On a backend that runs on this machine, ``setup``'s line for a profile measured elsewhere."""
+    from dflop.jobs.calibrate import machine_warning
 
-    if backend.calibrates and (note := machine_note(system.cost)):
-        log(f"dflop: warning: {note}: " + ("calibrating to this machine before the first step" if calibrate else
-                                          "its times are used as recorded (execution.calibrate is off)"))
+    if not backend.calibrates:
+        return None
+    return machine_warning("calibrating to this machine before the first step" if calibrate else
+                           "its times are used as recorded (execution.calibrate is off)")
 
 
 def calibrate_arms(system: System, arms: list[Arm], log: Log, progress: Progress | None = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from dflop.cost.protocol import CostModel
 from dflop.cost.select import select_cost_model
 from dflop.cost.store import FILENAME
 from dflop.cost.system import System
@@ -106,10 +107,25 @@ def load_data(config: RunConfig) -> tuple[SampleTable, str]:
 
 def setup(config_path: str | Path | None = None, *, gpus: int | None = None, nodes: int | None = None,
           plan_file: PlanFile | None = None, backend: str = "sim", log: Log = log_to_stderr,
-          execution: ExecutionSpec | None = None) -> Setup:
+          execution: ExecutionSpec | None = None, machine: Callable[[CostModel], str] | None = None) -> Setup:
     """The config's system and data; with a plan file, its plan and the cluster it was made for
     (``gpus`` and ``nodes`` override either); ``execution`` in place of the config's (the command
-    line's options applied to it)."""
+    line's options applied to it). ``machine``: the line, if any, saying that the cost model's profile
+    was measured on another machine; it is said first, before anything else setup says, since every
+    time the job reports hangs on it."""
+    said: list[str] = []
+    try:
+        s = _setup(config_path, gpus, nodes, plan_file, backend, said.append, execution)
+        if machine is not None and (line := machine(s.system.cost)):
+            said.insert(0, line)
+    finally:
+        for line in said:
+            log(line)
+    return s
+
+
+def _setup(config_path: str | Path | None, gpus: int | None, nodes: int | None, plan_file: PlanFile | None,
+           backend: str, log: Log, execution: ExecutionSpec | None) -> Setup:
     config = load_config(config_path, backend)
     if execution is not None:
         config = replace(config, execution=execution)
