@@ -38,9 +38,37 @@ values = st.one_of(st.none(), st.integers(1, 512), st.sampled_from(["AVX2", "AVX
 
 @given(st.dictionaries(st.sampled_from(sorted(MACHINE_FIELDS)), values),
        st.dictionaries(st.sampled_from(sorted(MACHINE_FIELDS)), values))
-def test_two_machines_are_the_same_exactly_when_no_field_differs(a, b):
-    same = all(a.get(k) == b.get(k) for k in MACHINE_FIELDS)
-    assert (machine_difference(a, b) == "") == same
+def test_two_machines_are_the_same_exactly_when_no_field_both_name_differs(a, b):
+    same = all(a[k] == b[k] for k in MACHINE_FIELDS if a.get(k) is not None and b.get(k) is not None)
+    line = machine_difference(a, b)
+    assert (line == "") == same
+    if not same:  # naming only what both know
+        assert "None" not in line and "?" not in line
+
+
+def test_a_gpu_s_clocks_are_part_of_its_identity_where_nvml_reads_them(monkeypatch):
+    """An H100 SXM and an H100 PCIe (or a card an administrator capped) differ in their clocks; a
+    profile from before the clocks were read, or a machine whose NVML cannot say, is not told apart by them."""
+    import sys
+    import types
+
+    from dflop.profile.profiler import gpu_clocks
+
+    nvml = types.SimpleNamespace(NVML_CLOCK_SM=1, NVML_CLOCK_MEM=2, nvmlInit=lambda: None,
+                                 nvmlDeviceGetHandleByIndex=lambda i: ("card", i),
+                                 nvmlDeviceGetMaxClockInfo=lambda h, kind: {1: 1980, 2: 2619}[kind])
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert gpu_clocks(0) == {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619}
+    sxm = {**XEON, "gpu": "NVIDIA H100", **gpu_clocks(0)}
+    assert machine_difference(sxm, {**sxm, "sm_clock_mhz": 1755}) == \
+        "profile measured on <SM clock 1980 MHz>, this is <SM clock 1755 MHz>"
+    assert machine_difference({**XEON, "gpu": "NVIDIA H100"}, sxm) == ""  # recorded before clocks were read
+
+    def unreadable(h, kind):
+        raise RuntimeError("NVML: not supported")
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetMaxClockInfo", unreadable)
+    assert gpu_clocks(0) == {}
 
 
 def test_a_profile_is_of_the_machine_most_of_its_records_name_and_unknown_when_none_does(tmp_path):

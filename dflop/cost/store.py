@@ -87,7 +87,8 @@ def architecture_mismatch(record: dict[str, Any], spec: Any) -> str:
 
 MACHINE_FIELDS = {"cpu": "{}", "capability": "{}", "cores": "{} cores", "threads": "{} threads per process",
                   "memory_gib": "{} GiB", "torch": "torch {}", "python": "Python {}", "gpu": "{}",
-                  "gpu_memory_gib": "{} GiB GPU", "driver": "driver {}", "cuda": "CUDA {}", "nccl": "NCCL {}"}
+                  "gpu_memory_gib": "{} GiB GPU", "driver": "driver {}", "cuda": "CUDA {}", "nccl": "NCCL {}",
+                  "sm_clock_mhz": "SM clock {} MHz", "memory_clock_mhz": "memory clock {} MHz"}
 """What a record's ``machine`` says of where it was measured (``dflop.profile.profiler.machine_identity``),
 and how each is written: every one moves the time of the same shapes."""
 
@@ -101,14 +102,16 @@ def profile_machine(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
 
 def machine_difference(profile: dict[str, Any] | None, here: dict[str, Any]) -> str:
     """'' when ``profile`` (a record's ``machine``, None: unknown) is ``here``; else the line that
-    says so, naming what differs: ``profile measured on <A, AVX512>, this is <B, AVX2>``."""
+    says so, naming what differs: ``profile measured on <A, AVX512>, this is <B, AVX2>``. A field
+    that one of them does not name (or names None) is not known to differ (a profile from before the
+    GPU clocks were read, a machine whose NVML does not say) and is left out."""
     def describe(machine: dict[str, Any], names: Iterable[str]) -> str:
         return ", ".join(MACHINE_FIELDS[n].format(machine.get(n, "?")) for n in names)
 
     if profile is None:
         main = [n for n in ("cpu", "capability", "cores", "gpu") if n in here]
         return f"profile measured on an unknown machine (its records do not say), this is <{describe(here, main)}>"
-    differ = [n for n in MACHINE_FIELDS if n in profile.keys() | here.keys() and profile.get(n) != here.get(n)]
+    differ = [n for n in MACHINE_FIELDS if None not in (profile.get(n), here.get(n)) and profile[n] != here[n]]
     if not differ:
         return ""
     return f"profile measured on <{describe(profile, differ)}>, this is <{describe(here, differ)}>"

@@ -148,7 +148,8 @@ def machine_identity(device: str, threads: int) -> dict[str, Any]:
         nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
         identity |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
                      "driver": _nvidia_driver(), "cuda": torch.version.cuda,
-                     "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}
+                     "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+                     **gpu_clocks(torch.cuda.current_device())}
     return identity
 
 
@@ -169,6 +170,20 @@ def _memory_gib() -> float | None:
         return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def gpu_clocks(index: int) -> dict[str, int]:
+    """GPU ``index``'s highest SM and memory clocks in MHz (NVML's max clocks: what the card, or the
+    limit an administrator set, allows; an H100 SXM and PCIe differ there), {} where NVML cannot say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return {"sm_clock_mhz": int(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+                "memory_clock_mhz": int(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM))}
+    except Exception:  # no NVML, no driver, a card that does not report them: the identity says nothing
+        return {}
 
 
 def _nvidia_driver() -> str | None:
