@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dflop.cost.calibration import Calibration, calibrated, scale_records
+from dflop.errors import DflopError
 from dflop.cost.select import select_cost_model
 from dflop.cost.store import MACHINE_FIELDS, ProfileStore, machine_difference, profile_machine
 from dflop.cost.protocol import StageSpec, WorkShape
@@ -47,28 +48,31 @@ def test_two_machines_are_the_same_exactly_when_no_field_both_name_differs(a, b)
 
 
 def test_a_gpu_s_clocks_are_part_of_its_identity_where_nvml_reads_them(monkeypatch):
-    """An H100 SXM and an H100 PCIe (or a card an administrator capped) differ in their clocks; a
-    profile from before the clocks were read, or a machine whose NVML cannot say, is not told apart by them."""
+    """One GPU name comes at more than one clock; the card is found by CUDA's UUID (NVML numbers
+    cards in PCI order, not as CUDA_VISIBLE_DEVICES does). A profile from before the clocks were
+    read, or a machine whose NVML cannot say, is not told apart by them."""
     import sys
     import types
 
     from dflop.profile.profiler import gpu_clocks
 
+    cards = {"GPU-5e1f": {1: 1980, 2: 2619}}
     nvml = types.SimpleNamespace(NVML_CLOCK_SM=1, NVML_CLOCK_MEM=2, nvmlInit=lambda: None,
-                                 nvmlDeviceGetHandleByIndex=lambda i: ("card", i),
-                                 nvmlDeviceGetMaxClockInfo=lambda h, kind: {1: 1980, 2: 2619}[kind])
+                                 nvmlDeviceGetHandleByUUID=lambda uuid: cards[uuid],
+                                 nvmlDeviceGetMaxClockInfo=lambda card, kind: card[kind])
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    assert gpu_clocks(0) == {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619}
-    sxm = {**XEON, "gpu": "NVIDIA H100", **gpu_clocks(0)}
-    assert machine_difference(sxm, {**sxm, "sm_clock_mhz": 1755}) == \
+    assert gpu_clocks("5e1f") == gpu_clocks("GPU-5e1f") == {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619}
+    assert gpu_clocks("0000") == {}  # a card NVML does not know
+    full = {**XEON, "gpu": "NVIDIA H100", **gpu_clocks("5e1f")}
+    assert machine_difference(full, {**full, "sm_clock_mhz": 1755}) == \
         "profile measured on <SM clock 1980 MHz>, this is <SM clock 1755 MHz>"
-    assert machine_difference({**XEON, "gpu": "NVIDIA H100"}, sxm) == ""  # recorded before clocks were read
+    assert machine_difference({**XEON, "gpu": "NVIDIA H100"}, full) == ""  # recorded before clocks were read
 
-    def unreadable(h, kind):
-        raise RuntimeError("NVML: not supported")
+    def no_driver():
+        raise RuntimeError("NVML: driver not loaded")
 
-    monkeypatch.setattr(nvml, "nvmlDeviceGetMaxClockInfo", unreadable)
-    assert gpu_clocks(0) == {}
+    monkeypatch.setattr(nvml, "nvmlInit", no_driver)
+    assert gpu_clocks("5e1f") == {}
 
 
 def test_a_profile_is_of_the_machine_most_of_its_records_name_and_unknown_when_none_does(tmp_path):
@@ -153,8 +157,8 @@ def test_a_profile_of_another_machine_is_said_and_calibrated_when_asked(monkeypa
 
     here = machine_identity("cpu", 1)
     there = {**here, "cpu": "Some Other CPU", "capability": "AVX512" if here["capability"] != "AVX512" else "AVX2"}
-    s = setup(None, backend="torch", log=lambda _: None)
-    s.system.cost.records = [{**r, "machine": there} for r in s.system.cost.records]
+    measured_on = [there]
+    monkeypatch.setattr(job, "profile_machine", lambda records: measured_on[0])
     asked = []
 
     def measure(records, sizes, **options):
@@ -162,20 +166,25 @@ def test_a_profile_of_another_machine_is_said_and_calibrated_when_asked(monkeypa
         return Calibration.of(shapes([("llm", "block", 1.0, 2.0), ("encoder", "block", 1.0, 3.0)]), 0.5)
 
     monkeypatch.setattr(drift, "calibrate", measure)
+    plain = setup(None, backend="torch", log=lambda _: None)
     lines = []
-    warning = job.planning_machine_warning(True)(s.system.cost)
-    assert warning.startswith(f"dflop: warning: profile measured on <Some Other CPU, {there['capability']}>, "
-                              f"this is <{here['cpu']}, {here['capability']}>: `dflop profile check`")
-    assert "dflop profile model" in warning and "--calibrate" not in warning
-    assert "(--calibrate scales it to this machine)" in job.planning_machine_warning(False)(s.system.cost)
-    calibrated_setup = job.calibrate_setup(s, lines.append)
-    assert "shapes ran 2.50x the recorded time here" in lines[0]
+    s = job.planning_setup(None, True, lines.append, backend="torch")
+    assert lines[0].startswith(f"dflop: warning: profile measured on <Some Other CPU, {there['capability']}>, "
+                               f"this is <{here['cpu']}, {here['capability']}>: `dflop profile check`")
+    assert "dflop profile model" in lines[0] and "--calibrate" not in lines[0]
+    assert "cost model: profiled" in lines[1] and "shapes ran 2.50x the recorded time here" in lines[2]
     assert asked == [{"tiny-vit": None, "tiny-llm": None}]
     shape, stage = _shape(Module.LLM, 512), StageSpec(Module.LLM, layers=2, tp=1, first=False, last=False)
-    assert calibrated_setup.system.cost.stage_cost(stage, shape).fwd == pytest.approx(
-        2.0 * s.system.cost.stage_cost(stage, shape).fwd, rel=1e-6)
-    s.system.cost.records = [{**r, "machine": here} for r in s.system.cost.records]  # the same machine: silence
-    assert job.planning_machine_warning(False)(s.system.cost) == ""
+    assert s.system.cost.stage_cost(stage, shape).fwd == pytest.approx(
+        2.0 * plain.system.cost.stage_cost(stage, shape).fwd, rel=1e-6)
+    lines.clear()  # without --calibrate: said, pointing to it, and nothing measured
+    s = job.planning_setup(None, False, lines.append, backend="torch")
+    assert lines[0].endswith("(--calibrate scales it to this machine)") and len(asked) == 1
+    assert s.system.cost.stage_cost(stage, shape).fwd == plain.system.cost.stage_cost(stage, shape).fwd
+    lines.clear()  # the same machine: nothing to say
+    measured_on[0] = here
+    job.planning_setup(None, False, lines.append, backend="torch")
+    assert not any("warning: profile measured" in line for line in lines) and len(asked) == 1
 
 
 def test_the_machine_warning_is_a_job_s_first_line_before_what_setup_says(tmp_path):
@@ -197,6 +206,13 @@ def test_the_machine_warning_is_a_job_s_first_line_before_what_setup_says(tmp_pa
     elsewhere, here = said
     assert elsewhere == ["dflop: warning: elsewhere"] + here
     assert "was made for" in here[0] and "cost model: profiled" in here[1]
+    # a plan file refused after setup has spoken: what it said is still said, in order, then the error
+    plan.write_text(plan.read_text().replace("dp: 4", "dp: 3", 1))
+    lines = []
+    with pytest.raises(DflopError, match="plan.yaml"):
+        setup(None, backend="torch", log=lines.append, machine=lambda cost: "dflop: warning: elsewhere",
+              plan_file=load_plan(plan))
+    assert len(lines) == 1 and "was made for" in lines[0]
 
 
 def test_a_gpu_profile_on_a_machine_without_that_gpu_is_not_calibrated():

@@ -371,15 +371,12 @@ def optimize(config: Path | None, gpus: int | None, nodes: int | None, error: fl
     """Choose tensor/pipeline/data parallelism for the encoder and the LLM."""
     from dflop.cli.progress import progress_bar
     from dflop.cost.select import prediction_error
-    from dflop.jobs.calibrate import calibrate_setup, planning_machine_warning
+    from dflop.jobs.calibrate import planning_setup
     from dflop.jobs.optimize import optimize as optimize_
     from dflop.jobs.report import optimize_json
-    from dflop.jobs.setup import setup
     from dflop.specs.plan_file import save_plan
 
-    s = setup(config, gpus=gpus, nodes=nodes, machine=planning_machine_warning(calibrate))
-    if calibrate:
-        s = calibrate_setup(s, log)
+    s = planning_setup(config, calibrate, log, gpus=gpus, nodes=nodes)
     with progress_bar() as progress:
         result = optimize_(s, progress=progress, noise=error, max_seconds=max_seconds)
     save_plan(result.best.plan, out, s.system.cluster)
@@ -470,15 +467,12 @@ def schedule(items: Path, bins: int, solver: str, time_limit: float, as_json: bo
 def simulate(config: Path | None, plan_path: Path | None, gpus: int | None, nodes: int | None,
              schedule_name: str | None, steps: int | None, out: Path, calibrate: bool, as_json: bool) -> None:
     """Simulate a plan on the workload; write the trace and the timeline."""
-    from dflop.jobs.calibrate import calibrate_setup, planning_machine_warning
+    from dflop.jobs.calibrate import planning_setup
     from dflop.jobs.report import gpu_note, plan_summary, step_fields
-    from dflop.jobs.setup import setup
     from dflop.jobs.simulate import pick_plan, simulate as simulate_
     from dflop.viz.timeline import plot_timeline
 
-    s = setup(config, gpus=gpus, nodes=nodes, plan_file=plan_file(plan_path), machine=planning_machine_warning(calibrate))
-    if calibrate:
-        s = calibrate_setup(s, log)
+    s = planning_setup(config, calibrate, log, gpus=gpus, nodes=nodes, plan_file=plan_file(plan_path))
     plan = pick_plan(s, schedule_name)
     ensure_writable_folder(out, "output")
     sim, info = simulate_(s, plan, steps=steps or s.config.steps, solver=s.config.scheduler.solver, out=out,

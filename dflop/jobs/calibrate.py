@@ -11,7 +11,8 @@ called.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from dflop.specs.execution import CPU_THREADS
 from dflop.specs.plan import Plan
 from dflop.specs.progress import Progress
 
-from dflop.jobs.setup import Setup
+from dflop.jobs.setup import Setup, setup
 
 CHECK = ("`dflop profile check` measures how far its times are off here; `dflop profile model` measures "
          "a profile of this machine")
@@ -148,15 +149,14 @@ def machine_warning(then: str) -> Callable[[CostModel], str]:
     return line
 
 
-def planning_machine_warning(calibrate: bool) -> Callable[[CostModel], str]:
-    """A planning job's (`dflop optimize`, `dflop simulate`) warning of a profile measured elsewhere,
-    pointing to what measures it here."""
-    return machine_warning(CHECK + ("" if calibrate else " (--calibrate scales it to this machine)"))
-
-
-def calibrate_setup(s: Setup, log: Callable[[str], None]) -> Setup:
-    """``s`` with its cost model calibrated at the middle of the profile's grid (`--calibrate` of a
-    planning job: the plan, whose microbatch sizes a run measures around, is not known yet), planning
-    included."""
+def planning_setup(config: Path | None, calibrate: bool, log: Callable[[str], None], **options: Any) -> Setup:
+    """A planning job's (`dflop optimize`, `dflop simulate`) set-up: its first line warns of a profile
+    measured elsewhere, pointing to what measures it here; with ``calibrate`` (`--calibrate`), its
+    cost model calibrated at the middle of the profile's grid (the plan, whose microbatch sizes a run
+    measures around, is not known yet), planning included. ``options``: ``setup``'s."""
+    warning = machine_warning(CHECK + ("" if calibrate else " (--calibrate scales it to this machine)"))
+    s = setup(config, log=log, machine=warning, **options)
+    if not calibrate:
+        return s
     cost, _ = calibrate_cost(s.system.cost, log)
     return replace(s, system=replace(s.system, cost=cost))

@@ -128,6 +128,7 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
         config = replace(config, execution=replace(config.execution, warmup=warmup))
     calibrate = backend.calibrates and (config.execution.calibrate if calibrate is None else calibrate)
     folder = resume or out
+    machine = _machine_warning(backend, calibrate)
     with backend.session(config, folder, where=where, resume=resume is not None):
         bundle, calibration = None, None
         if backend.is_reporting_rank():
@@ -135,10 +136,10 @@ def run(backend: Backend, config_path: Path | None, *, steps: int | None, out: P
             if resume is not None:
                 s, arms, planning = resume_run(config, config_path, resume, steps=steps, plan_file=plan_file,
                                                gpus=gpus, nodes=nodes, backend=backend.defaults, log=log,
-                                               machine=_machine_warning(backend, calibrate))
+                                               machine=machine)
             else:
                 s = setup(config_path, gpus=gpus, nodes=nodes, plan_file=plan_file, backend=backend.defaults, log=log,
-                          execution=config.execution, machine=_machine_warning(backend, calibrate))
+                          execution=config.execution, machine=machine)
                 start = check_start(s, steps or s.config.steps, folder)
                 if s.config.plan is not None:
                     backend.refuse(s.config.plan)

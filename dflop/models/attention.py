@@ -5,11 +5,13 @@ attention must then be block-diagonal. With flash-attn installed and a CUDA
 half-precision tensor, its varlen kernel does exactly that from the
 cumulative sequence lengths; otherwise each sample goes through PyTorch's
 ``scaled_dot_product_attention`` on its own slice (same result, exact, no
-T x T mask in memory). The inputs are split and the per-sample outputs
-concatenated, never sliced or written into slices one by one: autograd's
-backward of a slice (or a slice assignment) materialises a gradient as large
-as the whole sequence, which would make the backward of n packed samples cost n x T
-copies, quadratic in the samples a microbatch packs.
+T x T mask in memory), a causal one padded to a round length. The inputs are
+split and the per-sample outputs concatenated, never sliced out of the packed
+sequence or written into slices of it one by one: autograd's backward of such
+a slice (or slice assignment) materialises a gradient as large as the whole
+sequence, which would make the backward of n packed samples cost n x T copies,
+quadratic in the samples a microbatch packs (dropping a sample's own padded rows
+costs its own length only).
 """
 
 from __future__ import annotations

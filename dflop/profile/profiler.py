@@ -135,7 +135,7 @@ def device_name(device: str) -> str:
 def machine_identity(device: str, threads: int) -> dict[str, Any]:
     """Where shapes are measured, as plain data (``dflop.cost.store.MACHINE_FIELDS``): the same
     shapes run at another speed on another CPU model or instruction set (the ATen kernels torch
-    picked), core count, memory, torch or Python, or on another GPU, driver, CUDA or NCCL; a
+    picked), core count, memory, torch or Python, or on another GPU, clock, driver, CUDA or NCCL; a
     profile records it so that a machine that uses the profile can say where it differs.
     ``threads``: torch threads per measuring process. Taken once per profiling session."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -149,7 +149,7 @@ def machine_identity(device: str, threads: int) -> dict[str, Any]:
         identity |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
                      "driver": _nvidia_driver(), "cuda": torch.version.cuda,
                      "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
-                     **gpu_clocks(torch.cuda.current_device())}
+                     **gpu_clocks(str(props.uuid))}
     return identity
 
 
@@ -172,30 +172,43 @@ def _memory_gib() -> float | None:
         return None
 
 
-def gpu_clocks(index: int) -> dict[str, int]:
-    """GPU ``index``'s highest SM and memory clocks in MHz (NVML's max clocks: what the card, or the
-    limit an administrator set, allows; an H100 SXM and PCIe differ there), {} where NVML cannot say."""
+def _nvml() -> Any:
+    """NVML (``pynvml``, from ``nvidia-ml-py`` in the ``gpu`` extra), initialised; None where it is
+    not installed or finds no driver."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return {"sm_clock_mhz": int(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)),
-                "memory_clock_mhz": int(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM))}
-    except Exception:  # no NVML, no driver, a card that does not report them: the identity says nothing
+        return pynvml
+    except Exception:  # no NVML, no driver: the identity says nothing of what it would read
+        return None
+
+
+def gpu_clocks(uuid: str) -> dict[str, int]:
+    """The highest SM and memory clocks in MHz of the GPU with CUDA's ``uuid`` (looked up by it: NVML
+    numbers cards in PCI order, whatever ``CUDA_VISIBLE_DEVICES`` says), {} where NVML cannot say.
+    One GPU name comes at more than one clock (board power, OEM variants), each its own speed."""
+    nvml = _nvml()
+    if nvml is None:
+        return {}
+    try:
+        handle = nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        return {"sm_clock_mhz": int(nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM)),
+                "memory_clock_mhz": int(nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_MEM))}
+    except Exception:  # a card that does not report them
         return {}
 
 
 def _nvidia_driver() -> str | None:
     """The NVIDIA driver's version (from NVML, where it is installed), None otherwise."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        version = pynvml.nvmlSystemGetDriverVersion()
-        return version.decode() if isinstance(version, bytes) else version
-    except Exception:  # no NVML, no driver: the identity says nothing of it
+    nvml = _nvml()
+    if nvml is None:
         return None
+    try:
+        version = nvml.nvmlSystemGetDriverVersion()
+    except Exception:
+        return None
+    return version.decode() if isinstance(version, bytes) else version
 
 
 def require_device(device: str) -> None:
