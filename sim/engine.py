@@ -37,7 +37,7 @@ import simpy
 
 from dflop.sim.sharing import ProcessorSharing
 from dflop.timing.costs import StepCosts
-from dflop.program.stepgraph import StepGraph, Stream
+from dflop.program.stepgraph import Role, StepGraph
 
 
 @dataclass
@@ -65,10 +65,12 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
     env = simpy.Environment()
     n = len(graph)
     start, end = [0] * n, [-1] * n  # end -1 until the node has finished (or, for one that runs, is due)
-    consumers, streams, link = graph.consumers, graph.streams, graph.link
-    compute, p2p = Stream.COMPUTE, Stream.P2P
+    consumers, link = graph.consumers, graph.link
+    kind = graph.roles
+    compute, send, receive = Role.COMPUTE, Role.SEND, Role.RECEIVE  # locals: read once per node
     duration = costs.duration.tolist()
-    alloc, free, transient = costs.alloc.tolist(), costs.free.tolist(), costs.transient.tolist()
+    grow = (costs.alloc + costs.transient).tolist()  # held from a compute node's start to its end, and after
+    shrink = (costs.free + costs.transient).tolist()
     lag = costs.lag  # read for anchored nodes only (.item(): the Python number tolist would give)
     overlapping = graph.overlapping
     missing = list(graph.waits)
@@ -112,32 +114,41 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
         for c in consumers[k]:
             if at > ready_at[c]:
                 ready_at[c] = at
-            missing[c] -= 1
-            if not missing[c]:
+            left = missing[c] = missing[c] - 1
+            if not left:
                 begin(c, now)
 
     def begin(k: int, now: int) -> None:
-        """Everything k waits for is known to end by ``ready_at[k]``."""
+        """Everything k waits for is known to end by ``ready_at[k]``. The branches go by how often
+        they come: a compute node, then a receive and its send, then a collective."""
         nonlocal wakes
-        stream = streams[k]
-        if stream is p2p:
-            if link[k] < 0:  # a receive: complete when its data has arrived
-                start[k] = ready_at[k]
-                finished(k, ready_at[k], now)
-                return
-            sent = ready_at[k]
-            if contention:
-                sent = max(sent, link_free[link[k]])
-                link_free[link[k]] = sent + duration[k]
-            start[k] = sent
-            finished(k, sent + duration[k], now)
-        elif stream is compute:
-            at = ready_at[k] if ready_at[k] > now else now
-            if sharing is not None and at > now:  # its share of the cores depends on what computes then
+        what = kind[k]
+        if what is compute:
+            at = ready_at[k]
+            if at <= now:
+                at = now
+            elif sharing is not None:  # its share of the cores depends on what computes then
                 wakes += 1
                 timeout(at - now, k).callbacks.append(lambda event: run(event.value, env.now, env.now))
-            else:
+                return
+            if sharing is not None or overlapping[k] or grow[k]:
                 run(k, at, now)
+                return
+            start[k] = at  # ``run``, inlined for what most nodes are: no memory change, nothing anchored
+            end[k] = due = at + duration[k]
+            timeout(due - now, k).callbacks.append(compute_done)
+        elif what is receive:  # complete when its data has arrived
+            start[k] = ready_at[k]
+            finished(k, ready_at[k], now)
+        elif what is send:
+            sent = ready_at[k]
+            if contention:
+                wire = link[k]
+                if link_free[wire] > sent:
+                    sent = link_free[wire]
+                link_free[wire] = sent + duration[k]
+            start[k] = sent
+            finished(k, sent + duration[k], now)
         else:
             c = graph.nodes[k].collective
             collective_missing[c] -= 1
@@ -150,8 +161,8 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
 
     def run(k: int, at: int, now: int) -> None:
         start[k] = at
-        if alloc[k] or transient[k]:  # the worker is idle until then, so booking early changes no peak
-            change(worker_of[k], alloc[k] + transient[k], at)
+        if grow[k]:  # the worker is idle until then, so booking early changes no peak
+            change(worker_of[k], grow[k], at)
         if sharing is not None:  # at == now: it ends (and reaches its lags) as its share of the cores works
             sharing.join(k, duration[k], ranks[worker_of[k]], [(c, lag[c].item()) for c in overlapping[k]])
             return
@@ -161,12 +172,21 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
             known(c, at + lag[c].item(), now)
 
     def compute_done(event: simpy.Event) -> None:
+        """``compute_ended`` and ``finished`` inlined: this runs once per compute node."""
         k = event.value
-        compute_ended(k, end[k])  # == env.now: the event was due then
+        now = end[k]  # == env.now: the event was due then
+        if shrink[k]:
+            change(worker_of[k], -shrink[k], now)
+        for c in consumers[k]:
+            if now > ready_at[c]:
+                ready_at[c] = now
+            left = missing[c] = missing[c] - 1
+            if not left:
+                begin(c, now)
 
     def compute_ended(k: int, now: int) -> None:
-        if free[k] or transient[k]:
-            change(worker_of[k], -(free[k] + transient[k]), now)
+        if shrink[k]:
+            change(worker_of[k], -shrink[k], now)
         finished(k, now, now)
 
     def collective_done(event: simpy.Event) -> None:
@@ -185,5 +205,5 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
         raise RuntimeError(f"simulation stalled with {len(unfinished)} nodes unfinished, first "
                            f"{graph.labels[first]} on worker {worker_of[first]}")
     # one event per compute node (or per change of the cores' shares) and one per collective
-    events = len(graph.collectives) + (streams.count(compute) if sharing is None else sharing.events + wakes)
+    events = len(graph.collectives) + (kind.count(Role.COMPUTE) if sharing is None else sharing.events + wakes)
     return Execution(np.array(start, dtype=np.int64), ends, memory, np.array(peak, dtype=float), oom, events)

@@ -58,6 +58,15 @@ class Stream(IntEnum):
     """The worker's collective stream, shared with the other members of the collective."""
 
 
+class Role(IntEnum):
+    """What an executor does with a node: a stream, with a P2P node's side of its transfer."""
+
+    COMPUTE = 0
+    SEND = 1
+    RECEIVE = 2
+    COLLECTIVE = 3
+
+
 @dataclass(frozen=True, slots=True)
 class Node:
     worker: int
@@ -196,6 +205,13 @@ class StepGraph:
         """Per send: its link (one per ordered pair of workers); -1 for other nodes."""
         ids: dict[tuple[int, int], int] = {}
         return [ids.setdefault((n.worker, n.peer), len(ids)) if n.kind.is_send else -1 for n in self.nodes]
+
+    @cached_property
+    def roles(self) -> list[Role]:
+        """Per node: its ``Role`` (a simulator reads it once per node per step)."""
+        p2p, collective = Stream.P2P, Stream.COLLECTIVE
+        return [Role.COLLECTIVE if stream is collective else (Role.SEND if wire >= 0 else Role.RECEIVE)
+                if stream is p2p else Role.COMPUTE for stream, wire in zip(self.streams, self.link)]
 
     @cached_property
     def links(self) -> int:
