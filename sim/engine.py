@@ -172,17 +172,8 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
             known(c, at + lag[c].item(), now)
 
     def compute_done(event: simpy.Event) -> None:
-        """``compute_ended`` and ``finished`` inlined: this runs once per compute node."""
         k = event.value
-        now = end[k]  # == env.now: the event was due then
-        if shrink[k]:
-            change(worker_of[k], -shrink[k], now)
-        for c in consumers[k]:
-            if now > ready_at[c]:
-                ready_at[c] = now
-            left = missing[c] = missing[c] - 1
-            if not left:
-                begin(c, now)
+        compute_ended(k, end[k])  # == env.now: the event was due then
 
     def compute_ended(k: int, now: int) -> None:
         if shrink[k]:

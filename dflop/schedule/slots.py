@@ -100,11 +100,11 @@ def tail_slots(loads: np.ndarray, replica_of: np.ndarray, microbatches: int, how
     """Slot of every bin when replica ``replica_of[b]`` runs its own bins (at most ``microbatches``)
     in its last slots, ordered ``how`` among themselves by their heaviest dimension (as ``_order``
     orders a column's; every replica at once: thousands of them)."""
-    n = len(loads)
-    k = np.bincount(replica_of)[replica_of]  # each bin's replica's bin count
+    n, per_replica = len(loads), np.bincount(replica_of)
+    k = per_replica[replica_of]  # each bin's replica's bin count
     key = loads.max(axis=1) if how != "as-solved" else np.zeros(n)
     by_load = np.lexsort((np.arange(n), key, replica_of))  # by replica, then load, ties in bin order
-    first = np.cumsum(np.bincount(replica_of)) - np.bincount(replica_of)
+    first = np.cumsum(per_replica) - per_replica
     i = np.empty(n, dtype=np.int64)  # each bin's rank by load among its replica's
     i[by_load] = np.arange(n) - first[replica_of[by_load]]
     position = {"as-solved": i, "ascending": i, "descending": k - 1 - i}.get(
