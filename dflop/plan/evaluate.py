@@ -169,7 +169,7 @@ def quick(problem: PartitionProblem, start: np.ndarray | None = None) -> Partiti
         if start is None:
             raise
         first = repair(problem, np.asarray(start, dtype=np.int64))  # a rule may leave bins empty
-    assignment = improve(problem, first, target=target, max_rounds=problem.bins, every_partner=False)
+    assignment = improve(problem, first, target=target, max_rounds=problem.bins)
     return finish(problem, assignment, "quick", time.perf_counter() - began, searched=True)
 
 

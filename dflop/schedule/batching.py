@@ -51,7 +51,6 @@ named here so that results can say which rule produced them.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_right
 from itertools import accumulate
 from enum import Enum
 from functools import lru_cache
@@ -112,65 +111,14 @@ def modality_chunks(batch: SampleTable, bins: int) -> np.ndarray:
     return chunk
 
 
-class _Tree:
-    """Values over positions 0..n-1 in a binary tree whose nodes hold the larger (``larger``) or the
-    smaller child, for the leftmost position whose value passes a test in log n steps."""
-
-    def __init__(self, values: list[float], larger: bool) -> None:
-        self.size = size = 1 << max(len(values) - 1, 0).bit_length()
-        self.pick = max if larger else min
-        self.tree = [-np.inf if larger else np.inf] * (2 * size)
-        self.tree[size:size + len(values)] = values
-        for node in range(size - 1, 0, -1):
-            self.tree[node] = self.pick(self.tree[2 * node], self.tree[2 * node + 1])
-
-    def add(self, position: int, amount: float) -> None:
-        tree, pick = self.tree, self.pick
-        node = self.size + position
-        tree[node] += amount
-        while node > 1:  # up to where the picked child's value is what it was
-            node //= 2
-            value = pick(tree[2 * node], tree[2 * node + 1])
-            if tree[node] == value:
-                break
-            tree[node] = value
-
-    def first_at_least(self, t: float) -> int:
-        """Leftmost position with a value >= t (a tree of larger values), -1 where none."""
-        tree, node = self.tree, 1
-        if tree[1] < t:
-            return -1
-        while node < self.size:
-            node = 2 * node if tree[2 * node] >= t else 2 * node + 1
-        return node - self.size
-
-    def first_least(self) -> int:
-        """Leftmost position of the least value (a tree of smaller values), as ``argmin``."""
-        tree, node = self.tree, 1
-        while node < self.size:
-            node = 2 * node if tree[2 * node] <= tree[2 * node + 1] else 2 * node + 1
-        return node - self.size
-
-
 def token_chunks(batch: SampleTable, bins: int) -> np.ndarray:
     """Longest first, each to the first chunk with room under the budget, else to the lightest
-    (both found in trees, leftmost first, as ``argmax`` of the fitting mask and ``argmin`` of the
-    loads find them); then each chunk left empty takes the smallest sample of the fullest."""
+    (leftmost first, as ``argmax`` of the fitting mask and ``argmin`` of the loads find them); then
+    each chunk left empty takes the smallest sample of the fullest."""
+    from dflop.schedule.kernels import token_chunks_loop
+
     tokens = batch.llm_tokens.astype(float)
-    budget = tokens.sum() / bins
-    room, loads, lightest = _Tree([float(budget)] * bins, larger=True), [0.0] * bins, None
-    chunk = np.empty(len(batch), dtype=np.int64)
-    order = np.argsort(-tokens, kind="stable")
-    for i, t in zip(order.tolist(), tokens[order].tolist()):
-        c = room.first_at_least(t)
-        if c < 0:
-            lightest = lightest or _Tree(loads, larger=False)  # kept from the first overflow on
-            c = lightest.first_least()
-        chunk[i] = c
-        room.add(c, -t)
-        loads[c] += t
-        if lightest is not None:
-            lightest.add(c, t)
+    chunk = token_chunks_loop(tokens, np.argsort(-tokens, kind="stable"), tokens.sum() / bins, bins)
     counts = np.bincount(chunk, minlength=bins)
     empties = np.flatnonzero(counts == 0)
     if len(empties):  # members of every chunk, in sample order
@@ -198,57 +146,46 @@ def token_budget(batch: SampleTable, replicas: int, microbatches: int) -> np.nda
     return dispatch(token_chunks(batch, replicas * microbatches), replicas, microbatches)
 
 
-def _ends(cum: list[int], budget: int, most: int | None = None) -> list[int]:
-    """Where each pack ends (``cum``: the samples' running token totals from 0), at most ``most``
-    + 1 of them."""
-    ends, start = [], 0
-    while start < len(cum) - 1 and (most is None or len(ends) <= most):
-        start = max(bisect_right(cum, cum[start] + budget) - 1, start + 1)  # a sample over it: alone
-        ends.append(start)
-    return ends
-
-
 def packs_under(tokens: list[int], budget: int) -> list[list[int]]:
-    """Megatron's packing before alignment: samples in order, each into the current pack while the
-    pack stays within ``budget`` tokens, else into a new one."""
-    ends = _ends(list(accumulate(tokens, initial=0)), budget)
-    return [list(range(a, b)) for a, b in zip([0] + ends, ends)]
+    """Megatron's packing before alignment, sample by sample: each into the current pack while the
+    pack stays within ``budget`` tokens, else into a new one: what ``kernels.pack_ends`` finds by
+    search, written out as the reference the tests hold it to."""
+    packs: list[list[int]] = []
+    total = 0
+    for i, t in enumerate(tokens):
+        if not packs or total + t > budget:
+            packs.append([])
+            total = 0
+        packs[-1].append(i)
+        total += t
+    return packs
+
+
+def _running(tokens) -> np.ndarray:
+    """The samples' running token totals, from 0."""
+    return np.fromiter(accumulate(tokens, initial=0), dtype=np.int64, count=len(tokens) + 1)
 
 
 def tightest_budget(tokens: list[int], packs: int) -> int:
     """The smallest budget, no shorter than the longest sample, under which Megatron's packing makes
     at most ``packs`` packs (their number never grows with the budget: each pack starts no earlier).
     The search starts below the average pack plus the longest sample (each pack closed under that
-    budget holds more than the average, so there are at most ``packs``), and a budget is tried
-    without walking its packs one by one: where a pack starting at each sample ends is one search
-    over all samples, and ``packs`` packs from the first are that jump composed ``packs`` times,
-    by repeated squaring."""
-    cum = np.fromiter(accumulate(tokens, initial=0), dtype=np.int64, count=len(tokens) + 1)
-    n, total, longest = len(tokens), int(cum[-1]), max(tokens)
+    budget holds more than the average, so there are at most ``packs``)."""
+    from dflop.schedule.kernels import tightest_budget_loop
+
+    cum = _running(tokens)
+    total, longest = int(cum[-1]), max(tokens)
     lo = max(longest, -(-total // packs))
-    hi = min(total, -(-total // packs) + longest)
-    every = np.arange(n + 1)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        jump = np.maximum(np.searchsorted(cum, cum + mid, side="right") - 1, every + 1)
-        jump[n] = n  # the end stays the end
-        at, k = 0, packs
-        while k and at < n:
-            if k & 1:
-                at = int(jump[at])
-            jump, k = jump[jump], k >> 1
-        if at >= n:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return int(tightest_budget_loop(cum, lo, min(total, -(-total // packs) + longest), packs))
 
 
 @lru_cache(maxsize=64)
 def _pack_ends(tokens: tuple[int, ...], packs: int) -> tuple[int, ...]:
     """Where Megatron's packs end under the tightest budget for ``packs``: once per batch and count,
     which the plans of many bin grids share."""
-    return tuple(_ends(list(accumulate(tokens, initial=0)), tightest_budget(list(tokens), packs)))
+    from dflop.schedule.kernels import pack_ends
+
+    return tuple(pack_ends(_running(tokens), tightest_budget(list(tokens), packs), -1).tolist())
 
 
 def dp_balanced(batch: SampleTable, replicas: int, microbatches: int, group: int = 1) -> np.ndarray:

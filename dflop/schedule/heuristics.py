@@ -23,7 +23,7 @@ import heapq
 import numpy as np
 
 from dflop.errors import InfeasibleError
-from dflop.schedule.problem import PartitionProblem
+from dflop.schedule.problem import REL_EPS, PartitionProblem
 
 
 def _room(problem: PartitionProblem, held: np.ndarray, item: int) -> np.ndarray:
@@ -38,93 +38,25 @@ def _no_room(problem: PartitionProblem, item: int) -> InfeasibleError:
                            f"({problem.bins} bins); use more bins or larger caps")
 
 
+def compiled_caps(problem: PartitionProblem) -> tuple[np.ndarray, np.ndarray]:
+    """(resources, caps with a rounding's slack) as the compiled loops take them: contiguous (one
+    compiled version), and with no resource at all where the problem has no caps."""
+    if problem.resources is None:
+        return np.zeros((problem.n, 0)), np.zeros(0)
+    return np.ascontiguousarray(problem.resources), problem.caps * (1 + REL_EPS)
+
+
 def lpt(problem: PartitionProblem) -> np.ndarray:
-    k, dims = problem.bins, range(problem.dims)
-    costs = problem.costs.tolist()
-    loads = [[0.0] * problem.dims for _ in range(k)]
-    key, count = [0.0] * k, [0] * k
-    heap = [(0.0, 0, b) for b in range(k)]
-    capped = problem.resources is not None
-    if capped:
-        bins = _Bins(problem.caps * (1 + 1e-9), k)
-        room = [list(bins.cap_list) for _ in range(k)]  # caps - held, as floats for the fast path
-        needs = problem.resources.tolist()
-    assignment = [0] * problem.n
-    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    from dflop.schedule.kernels import lpt_loop
+
     order = np.argsort(-problem.costs.max(axis=1), kind="stable")
-    if capped:  # per position, the least of each resource any item from there on needs
-        least = np.minimum.accumulate(problem.resources[order][::-1], axis=0)[::-1].tolist()
-    for at, item in enumerate(order.tolist()):
-        while heap and (heap[0][0] != key[heap[0][2]] or heap[0][1] != count[heap[0][2]]):  # stale entries
-            pop(heap)
-        b, on_top = (heap[0][2], True) if heap else (-1, False)  # (a heap emptied of full bins)
-        if capped and (b < 0 or any(r > left for r, left in zip(needs[item], room[b]))):
-            b, on_top = bins.lightest_with_room(heap, key, count, needs[item], room, least[at]), False
-            if b < 0:
-                raise _no_room(problem, item)
-        row, cost = loads[b], costs[item]
-        for d in dims:
-            row[d] += cost[d]
-        assignment[item] = b
-        key[b] = max(row)
-        count[b] += 1
-        (replace if on_top else push)(heap, (key[b], count[b], b))
-        if capped:
-            bins.add(b, key[b], count[b], needs[item])
-            room[b] = [left - r for left, r in zip(room[b], needs[item])]
-    return np.array(assignment, dtype=np.int64)
-
-
-class _Bins:
-    """What LPT holds per bin when caps bind: resources held, and (largest load, items) as arrays."""
-
-    LOOK = 8
-    """Bins taken off the heap, lightest first, before testing every bin at once."""
-
-    def __init__(self, caps: np.ndarray, k: int) -> None:
-        self.cap_list = caps.tolist()
-        self.held_list = [[0.0] * len(caps) for _ in range(k)]
-        self.held = [np.zeros(k) for _ in caps]  # the same sums, a column per resource
-        self.key, self.count = np.zeros(k), np.zeros(k)
-
-    def add(self, b: int, key: float, count: int, need: list[float]) -> None:
-        held = self.held_list[b] = [h + r for h, r in zip(self.held_list[b], need)]
-        for column, h in zip(self.held, held):
-            column[b] = h
-        self.key[b], self.count[b] = key, count
-
-    def lightest_with_room(self, heap: list, key: list, count: list, need: list[float], room: list,
-                           least: list[float]) -> int:
-        """The bin least in (largest load, items, index) whose held resources plus ``need`` stay
-        within the caps (-1: none): the first few off the heap, else every bin tested at once. The
-        found bin's heap entry is left to the caller to supersede; the others go back, but for full
-        ones: those no item from here on fits (``least``: the least of each resource they need),
-        by either test, which never hold the top of the heap again."""
-        passed, found = [], -1
-        while heap and len(passed) < self.LOOK:
-            entry = heapq.heappop(heap)
-            b = entry[2]
-            if entry[0] != key[b] or entry[1] != count[b]:  # stale
-                continue
-            held = self.held_list[b]
-            if all(h + r <= c for h, r, c in zip(held, need, self.cap_list)):
-                found = b
-                break
-            if not (any(r > left for r, left in zip(least, room[b]))
-                    and any(h + r > c for h, r, c in zip(held, least, self.cap_list))):
-                passed.append(entry)
-        for entry in passed:
-            heapq.heappush(heap, entry)
-        if found >= 0 or len(passed) < self.LOOK:
-            return found
-        ok = self.held[0] + need[0] <= self.cap_list[0]
-        for r in range(1, len(need)):
-            ok &= self.held[r] + need[r] <= self.cap_list[r]
-        fits = np.flatnonzero(ok)
-        if not len(fits):
-            return -1
-        fits = fits[self.key[fits] == self.key[fits].min()]  # the least load, then the fewest items
-        return int(fits[np.argmin(self.count[fits])])
+    resources, caps = compiled_caps(problem)
+    least = np.minimum.accumulate(resources[order][::-1], axis=0)[::-1]  # per position, of each resource,
+    assignment = lpt_loop(np.ascontiguousarray(problem.costs), order, problem.bins, resources, caps,  # the least
+                          np.ascontiguousarray(least))  # any item from there on needs
+    if assignment[0] < 0:
+        raise _no_room(problem, int(-1 - assignment[0]))
+    return assignment
 
 
 def kk(problem: PartitionProblem) -> np.ndarray:
