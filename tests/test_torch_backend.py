@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dflop.backends import ScheduledBatch, get_backend
-from dflop.backends.torch_runtime.backend import RankFailed, TorchBackend
+from dflop.backends.torch_runtime.backend import RankFailed, TorchBackend, start_method
 from dflop.backends.torch_runtime.model import whole_model_name
 from dflop.backends.torch_runtime.reference import reference_training
 from dflop.backends.torch_runtime.worker import Payload, TorchOptions, heaviest_step
@@ -217,6 +217,15 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(system, 
     assert max(float((again.extra["parameters"][n] - t).abs().max())
                for n, t in whole.extra["parameters"].items()) < 1e-12
     assert again.extra["losses"] == pytest.approx(whole.extra["losses"][2:], rel=1e-12)
+
+
+def test_ranks_fork_from_a_server_unless_its_socket_path_is_too_long_for_an_address():
+    """A rank forked from a server that imported torch starts without importing it again; under a
+    TMPDIR so deep that the server's socket path passes what a Unix address holds, they start afresh
+    (the run would otherwise end in ``AF_UNIX path too long``)."""
+    assert start_method("/tmp/pymp-abcdefgh") == "forkserver"
+    assert start_method("/tmp/" + "d" * 70 + "/pymp-abcdefgh") == "forkserver"  # its listener: 107 characters
+    assert start_method("/tmp/" + "d" * 71 + "/pymp-abcdefgh") == "spawn"  # 108
 
 
 def test_an_unknown_backend_lists_the_valid_ones():

@@ -7,6 +7,7 @@ in one message, so a user fixes a plan in one go rather than one error a run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from enum import Enum
 from typing import Literal
 
@@ -162,9 +163,10 @@ class Plan:
         """The encoder runs on the LLM's GPUs (colocated or heterogeneous): the job is the LLM's GPUs."""
         return self.placement is not Placement.DISAGGREGATED
 
-    @property
+    @cached_property
     def strategy(self) -> "Strategy":
-        """What the plan's memory and placement options mean, each fact named once."""
+        """What the plan's memory and placement options mean, each fact named once (kept: the
+        planner asks for it on every candidate, many times)."""
         return Strategy(zero=self.zero, hsdp=self.hsdp, fp32_grads=self.fp32_grads, colocated=self.colocated,
                         llm_pp=self.llm.pp, encoder_phase=self.heterogeneous)
 
