@@ -297,9 +297,10 @@ class TorchBackend:
 
     def _spawn(self, payload: Payload, progress: Path, steps_run: Callable[[int], None] | None = None
                ) -> dict[int, RankResult]:
+        from multiprocessing.util import get_temp_dir
+
         from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from multiprocessing.util import get_temp_dir
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
         world = payload.plan.gpus

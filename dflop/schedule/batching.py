@@ -51,7 +51,6 @@ named here so that results can say which rule produced them.
 from __future__ import annotations
 
 import heapq
-from itertools import accumulate
 from enum import Enum
 from functools import lru_cache
 from typing import Callable
@@ -163,7 +162,7 @@ def packs_under(tokens: list[int], budget: int) -> list[list[int]]:
 
 def _running(tokens) -> np.ndarray:
     """The samples' running token totals, from 0."""
-    return np.fromiter(accumulate(tokens, initial=0), dtype=np.int64, count=len(tokens) + 1)
+    return np.concatenate(([0], np.cumsum(np.asarray(tokens, dtype=np.int64))))
 
 
 def tightest_budget(tokens: list[int], packs: int) -> int:

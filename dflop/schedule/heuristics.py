@@ -51,9 +51,9 @@ def lpt(problem: PartitionProblem) -> np.ndarray:
 
     order = np.argsort(-problem.costs.max(axis=1), kind="stable")
     resources, caps = compiled_caps(problem)
-    least = np.minimum.accumulate(resources[order][::-1], axis=0)[::-1]  # per position, of each resource,
-    assignment = lpt_loop(np.ascontiguousarray(problem.costs), order, problem.bins, resources, caps,  # the least
-                          np.ascontiguousarray(least))  # any item from there on needs
+    # per position in the order, of each resource, the least any item from there on needs
+    least = np.ascontiguousarray(np.minimum.accumulate(resources[order][::-1], axis=0)[::-1])
+    assignment = lpt_loop(np.ascontiguousarray(problem.costs), order, problem.bins, resources, caps, least)
     if assignment[0] < 0:
         raise _no_room(problem, int(-1 - assignment[0]))
     return assignment
