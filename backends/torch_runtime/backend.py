@@ -121,7 +121,6 @@ def start_method(temp_dir: str) -> str:
     if ("forkserver" not in multiprocessing.get_all_start_methods()
             or len(os.path.join(temp_dir, "listener-12345678")) > UNIX_PATH_MAX):
         return "spawn"
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "backends.torch_runtime.worker"])
     return "forkserver"
 
 
@@ -297,16 +296,20 @@ class TorchBackend:
 
     def _spawn(self, payload: Payload, progress: Path, steps_run: Callable[[int], None] | None = None
                ) -> dict[int, RankResult]:
+        import multiprocessing
         from multiprocessing.util import get_temp_dir
 
         from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+        method = start_method(get_temp_dir())
+        if method == "forkserver":  # what the server imports before it forks a rank
+            multiprocessing.get_context(method).set_forkserver_preload(["torch", "backends.torch_runtime.worker"])
         world = payload.plan.gpus
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"dflop-{uuid.uuid4().hex[:8]}",
                               rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                              monitor_interval=0.1, start_method=start_method(get_temp_dir()))
+                              monitor_interval=0.1, start_method=method)
         with _quiet_launcher(), _own_signal_handlers(), telling_steps(progress, world, steps_run):
             try:
                 return elastic_launch(config, rank_entry)(payload, self.keep_parameters)

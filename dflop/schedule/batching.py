@@ -167,13 +167,17 @@ def _running(tokens) -> np.ndarray:
 
 def tightest_budget(tokens: list[int], packs: int) -> int:
     """The smallest budget, no shorter than the longest sample, under which Megatron's packing makes
-    at most ``packs`` packs (their number never grows with the budget: each pack starts no earlier).
-    The search starts below the average pack plus the longest sample (each pack closed under that
-    budget holds more than the average, so there are at most ``packs``)."""
+    at most ``packs`` packs (their number never grows with the budget: each pack starts no earlier)."""
+    return _tightest(_running(tokens), packs)
+
+
+def _tightest(cum: np.ndarray, packs: int) -> int:
+    """``tightest_budget`` of the samples whose running token totals are ``cum``. The search starts
+    below the average pack plus the longest sample (each pack closed under that budget holds more
+    than the average, so there are at most ``packs``)."""
     from dflop.schedule.kernels import tightest_budget_loop
 
-    cum = _running(tokens)
-    total, longest = int(cum[-1]), max(tokens)
+    total, longest = int(cum[-1]), int(np.diff(cum).max())
     lo = max(longest, -(-total // packs))
     return int(tightest_budget_loop(cum, lo, min(total, -(-total // packs) + longest), packs))
 
@@ -184,7 +188,8 @@ def _pack_ends(tokens: tuple[int, ...], packs: int) -> tuple[int, ...]:
     which the plans of many bin grids share."""
     from dflop.schedule.kernels import pack_ends
 
-    return tuple(pack_ends(_running(tokens), tightest_budget(list(tokens), packs), -1).tolist())
+    cum = _running(tokens)
+    return tuple(pack_ends(cum, _tightest(cum, packs), -1).tolist())
 
 
 def dp_balanced(batch: SampleTable, replicas: int, microbatches: int, group: int = 1) -> np.ndarray:

@@ -72,6 +72,15 @@ def _over(held, need, caps):
 
 
 @jit
+def _max_row(values, b):
+    top = values[b, 0]
+    for d in range(1, values.shape[1]):
+        if values[b, d] > top:
+            top = values[b, d]
+    return top
+
+
+@jit
 def lpt_loop(costs, order, bins, resources, caps, least):
     """Items in ``order``, each to the bin least in (largest load, items, index) among those whose
     held resources plus its own stay within ``caps``; a bin that no item from there on fits
@@ -111,28 +120,15 @@ def lpt_loop(costs, order, bins, resources, caps, least):
             size = _push(hk, hc, hb, size, key[b], count[b], b)
         if chosen < 0:
             return np.full(1, -1 - item, dtype=np.int64)
-        top = 0.0
         for d in range(dims):
             loads[chosen, d] += costs[item, d]
-            if d == 0 or loads[chosen, d] > top:
-                top = loads[chosen, d]
         for r in range(kinds):
             held[chosen, r] += resources[item, r]
-        key[chosen] = top
+        key[chosen] = _max_row(loads, chosen)
         count[chosen] += 1
         assignment[item] = chosen
-        size = _push(hk, hc, hb, size, top, count[chosen], chosen)
+        size = _push(hk, hc, hb, size, key[chosen], count[chosen], chosen)
     return assignment
-
-
-
-@jit
-def _max_row(values, b):
-    top = values[b, 0]
-    for d in range(1, values.shape[1]):
-        if values[b, d] > top:
-            top = values[b, d]
-    return top
 
 
 @jit
@@ -178,7 +174,6 @@ def _best_swap(costs, resources, caps, largest, loads, held, head, nxt, crit, pa
     pair's larger load least (first in (item, partner, other item) order), or -1s."""
     tight = _tight(held, caps, largest, partners, crit)
     best, out, back, to = np.inf, -1, -1, -1
-    delta = np.empty(costs.shape[1])
     item = head[crit]
     while item >= 0:
         for p in partners:
@@ -186,9 +181,9 @@ def _best_swap(costs, resources, caps, largest, loads, held, head, nxt, crit, pa
             while other >= 0:
                 crit_after, partner_after = -np.inf, -np.inf
                 for d in range(costs.shape[1]):
-                    delta[d] = costs[item, d] - costs[other, d]
-                    crit_after = max(crit_after, loads[crit, d] - delta[d])
-                    partner_after = max(partner_after, loads[p, d] + delta[d])
+                    shift = costs[item, d] - costs[other, d]
+                    crit_after = max(crit_after, loads[crit, d] - shift)
+                    partner_after = max(partner_after, loads[p, d] + shift)
                 worst = max(crit_after, partner_after)
                 if tight:
                     for r in range(caps.shape[0]):
@@ -200,6 +195,18 @@ def _best_swap(costs, resources, caps, largest, loads, held, head, nxt, crit, pa
                 other = nxt[other]
         item = nxt[item]
     return (out, back, to) if best < limit else (-1, -1, -1)
+
+
+@jit
+def _append(head, tail, nxt, prv, size, item, b):
+    """``item`` onto the end of bin b's list of members."""
+    prv[item], nxt[item] = tail[b], -1
+    if tail[b] >= 0:
+        nxt[tail[b]] = item
+    else:
+        head[b] = item
+    tail[b] = item
+    size[b] += 1
 
 
 @jit
@@ -219,14 +226,8 @@ def _move(costs, resources, assignment, loads, held, head, tail, nxt, prv, size,
         prv[nxt[item]] = prv[item]
     else:
         tail[src] = prv[item]
-    prv[item], nxt[item] = tail[dst], -1  # onto dst's end
-    if tail[dst] >= 0:
-        nxt[tail[dst]] = item
-    else:
-        head[dst] = item
-    tail[dst] = item
     size[src] -= 1
-    size[dst] += 1
+    _append(head, tail, nxt, prv, size, item, dst)
 
 
 @jit
@@ -266,13 +267,7 @@ def improve_loop(costs, resources, caps, assignment, bins, target, max_rounds, w
             loads[b, d] += costs[item, d]
         for r in range(caps.shape[0]):
             held[b, r] += resources[item, r]
-        prv[item] = tail[b]
-        if tail[b] >= 0:
-            nxt[tail[b]] = item
-        else:
-            head[b] = item
-        tail[b] = item
-        size[b] += 1
+        _append(head, tail, nxt, prv, size, item, b)
     largest = np.zeros(caps.shape[0])
     for r in range(caps.shape[0]):
         for item in range(n):
