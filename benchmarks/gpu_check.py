@@ -1,6 +1,7 @@
 """Everything only a GPU can show, measured in one go and kept as data: `make gpu-check`.
 
 Run: make gpu-check            (one CUDA device; at most --budget-s seconds, 8 minutes by default)
+     make gpu-check ARGS="--out FOLDER --again STEP ..."   (steps that failed or ran out of time, again)
      make gpu-check DRY=1      (any machine: the same steps on the CPU with tiny shapes; `make test` runs it)
 
 GPUs are lent now and then for a few minutes, so this is ready to run the moment one is
@@ -98,7 +99,7 @@ class Target:
                        {"environment": 30, "attention": 60, "profiles": 120, "analytical": 30, "torch_backend": 180,
                         "two_processes": 30, "profile_check": 60})
         return cls(False, "cuda", "bfloat16", REAL_MODELS, REAL_MODELS[:3], "gpu", 5, "siglip-so400m", "qwen2.5-7b",
-                   {"environment": 30, "attention": 45, "profiles": 250, "analytical": 20, "torch_backend": 110,
+                   {"environment": 30, "attention": 45, "profiles": 250, "analytical": 20, "torch_backend": 150,
                     "two_processes": 25, "profile_check": 45})
 
 
@@ -289,7 +290,9 @@ def _time_ms(fn: Callable[[], Any], device: str, repeats: int = 5) -> float:
 
 
 def profiles(c: Check) -> dict[str, Any]:
-    """Each model in its own share of the step's box, so that one slow model leaves the others theirs."""
+    """Each model in its own share of the step's box, so that one slow model leaves the others theirs; the
+    quick ones first, so that the slowest also gets what they leave (the estimate weighs, it does not
+    predict: it is several times short for a 7B's large shapes)."""
     from dflop.cost.store import FILENAME, ProfileStore
     from dflop.profile.profiler import profile_model
 
@@ -301,8 +304,9 @@ def profiles(c: Check) -> dict[str, Any]:
     hardware = _hardware(c)
     weight = {m: SETUP_S + profile_estimate(m, hardware, device=c.target.device, grid=c.target.grid,
                                             repeats=c.target.repeats).seconds for m in c.target.models}
-    for i, name in enumerate(c.target.models):
-        share = (budget - (time.monotonic() - start)) * weight[name] / sum(weight[m] for m in c.target.models[i:])
+    order = sorted(c.target.models, key=weight.get)  # the quick ones first: the slowest gets what they leave
+    for i, name in enumerate(order):
+        share = (budget - (time.monotonic() - start)) * weight[name] / sum(weight[m] for m in order[i:])
         began = time.monotonic()
         try:
             with time_box(min(share, c.left())):
@@ -605,6 +609,9 @@ def report_section(results: dict[str, Any], folder: str) -> str:
                 if env.get("matmul") else ""), "",
              "| step | status | seconds |", "| --- | --- | ---: |"]
     lines += [f"| {n} | {s['status']} | {s['seconds']:.0f} |" for n, s in results.get("steps", {}).items()]
+    for again in results.get("again", []):
+        lines += ["", f"Run again into this folder on the same device ({again['date']}, `--again`, "
+                  f"{again['seconds']:.0f} s): {', '.join(again['steps'])}; the table gives their second run."]
     prof = results.get("profiles", {})
     if prof.get("models"):
         lines += ["", f"Profiles ({prof['grid']} grid), one layer of each model:", "",
@@ -652,16 +659,18 @@ def report_section(results: dict[str, Any], folder: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: Path, section: str) -> None:
-    """Put ``section`` between the GPU markers of ``report``, replacing an earlier one."""
+def write_report(report: Path, section: str, folder: str) -> None:
+    """Put ``section``, the run in ``folder``, among the GPU sections of ``report``: in place of that run's
+    earlier section, else after the other runs' (a report keeps one section per run, as ``make bench``)."""
     text = report.read_text() if report.exists() else ""
-    block = f"{REPORT_START}\n{section}{REPORT_END}\n"
-    if REPORT_START in text and REPORT_END in text:
-        head, rest = text.split(REPORT_START, 1)
-        text = head + block + rest.split(REPORT_END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    report.write_text(text)
+    blocks = list(re.finditer(re.escape(REPORT_START) + r"\n(.*?)" + re.escape(REPORT_END) + r"\n*", text, re.S))
+    head, tail = (text[:blocks[0].start()], text[blocks[-1].end():]) if blocks else (text.rstrip("\n") + "\n\n", "")
+    mine = f"results in `{folder}/`"
+    sections = [section if mine in m.group(1) else m.group(1) for m in blocks]
+    if section not in sections:
+        sections.append(section)
+    report.write_text(head + "\n".join(f"{REPORT_START}\n{s}{REPORT_END}\n" for s in sections)
+                      + ("\n" + tail if tail else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -677,9 +686,21 @@ def main(argv: list[str] | None = None) -> int:
                              "after the check, e.g. a model whose profile ran out of time) to the folder's store")
     parser.add_argument("--report", type=Path, default=HERE / "REPORT.md",
                         help="report to add the GPU section to (not in a dry run unless given)")
+    parser.add_argument("--again", nargs="+", choices=[name for name, _ in STEPS], metavar="STEP",
+                        help="with --out: run these steps again into that folder of an earlier run, keeping the "
+                             "others' figures (a step that failed or ran out of time; profiles measure only what "
+                             "the store lacks)")
     args = parser.parse_args(argv)
     if args.reanalyse:
         return reanalyse(args.reanalyse, args.add_store, args.report)
+    earlier = None
+    if args.again:
+        if args.out is None or not (args.out / RESULTS).is_file():
+            print(f"gpu-check: --again needs --out, the folder of an earlier run (no {RESULTS} in {args.out})",
+                  file=sys.stderr)
+            return 2
+        earlier = json.loads((args.out / RESULTS).read_text())
+        args.dry = earlier["dry"]
     start = time.monotonic()
     target = Target.of(args.dry)
     if not args.dry:
@@ -693,19 +714,29 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or HERE / "results" / f"gpu-{device_slug(target)}-{date}"
     out.mkdir(parents=True, exist_ok=True)
     c = Check(target, out, start + args.budget_s, log=lambda s: print(s, flush=True))
-    c.results.update({"date": date, "dry": args.dry, "budget_s": args.budget_s,
-                      "command": "make gpu-check" + (" DRY=1" if args.dry else "")})
-    print(f"gpu-check{' (dry run, CPU)' if args.dry else ''}: {len(STEPS)} steps, at most {args.budget_s:.0f} s; "
+    steps = STEPS
+    if earlier is None:
+        c.results.update({"date": date, "dry": args.dry, "budget_s": args.budget_s,
+                          "command": "make gpu-check" + (" DRY=1" if args.dry else "")})
+    else:
+        c.results = earlier
+        steps = tuple((name, fn) for name, fn in STEPS if name in args.again)
+    print(f"gpu-check{' (dry run, CPU)' if args.dry else ''}: {len(steps)} steps, at most {args.budget_s:.0f} s; "
           f"results in {out}", flush=True)
-    passed = run_steps(c)
-    c.results["seconds"] = round(time.monotonic() - start, 1)
+    passed = run_steps(c, steps)
+    seconds = round(time.monotonic() - start, 1)
+    if earlier is None:
+        c.results["seconds"] = seconds
+    else:
+        c.results.setdefault("again", []).append({"steps": [name for name, _ in steps], "date": date,
+                                                  "seconds": seconds})
     c.save()
     section = report_section(c.results, _shown(out))
     (out / "REPORT-section.md").write_text(section)
     if not args.dry or "--report" in (argv or sys.argv):
-        write_report(args.report, section)
+        write_report(args.report, section, _shown(out))
     summary = ", ".join(f"{n} {s['status']}" for n, s in c.results["steps"].items())
-    print(f"gpu-check: {'passed' if passed else 'FAILED'} in {c.results['seconds']:.0f} s: {summary}", flush=True)
+    print(f"gpu-check: {'passed' if passed else 'FAILED'} in {seconds:.0f} s: {summary}", flush=True)
     return 0 if passed else 1
 
 
@@ -729,7 +760,7 @@ def reanalyse(folder: Path, extra: Path | None, report: Path) -> int:
     section = report_section(results, _shown(folder))
     (folder / "REPORT-section.md").write_text(section)
     if not results["dry"]:
-        write_report(report, section)
+        write_report(report, section, _shown(folder))
     return 0
 
 

@@ -111,17 +111,37 @@ def test_the_refit_recovers_a_known_curve_and_keeps_time_growing_with_work():
     assert float(fit.compute_time(1e8)) * 1e3 < 0.5  # the smallest priced short, said in the docstring
 
 
-def test_the_report_section_replaces_an_earlier_one(tmp_path):
+def test_a_run_s_report_section_replaces_its_earlier_one_and_keeps_the_other_runs(tmp_path):
     report = tmp_path / "REPORT.md"
     report.write_text("# Benchmark report\n\ncpu figures\n")
+    first, second = "benchmarks/results/gpu-h200-2026-01-01", "benchmarks/results/gpu-h100-2026-01-02"
     results = {"date": "2026-01-01", "steps": {"environment": {"status": OK, "seconds": 1.0}},
                "environment": {"device": {"name": "NVIDIA H200", "memory_gib": 139.8}, "torch": "2.11"}}
-    gpu_check.write_report(report, gpu_check.report_section(results, "benchmarks/results/gpu-h200-2026-01-01"))
+    gpu_check.write_report(report, gpu_check.report_section(results, first), first)
+    other = {**results, "date": "2026-01-02", "environment": {"device": {"name": "NVIDIA H100"}}}
+    gpu_check.write_report(report, gpu_check.report_section(other, second), second)
     results["steps"]["environment"]["status"] = FAILED
-    gpu_check.write_report(report, gpu_check.report_section(results, "benchmarks/results/gpu-h200-2026-01-01"))
+    gpu_check.write_report(report, gpu_check.report_section(results, first), first)
     text = report.read_text()
     assert text.startswith("# Benchmark report\n\ncpu figures\n")
     assert text.count("## GPU check: NVIDIA H200") == 1 and "| environment | failed | 1 |" in text
+    assert text.index("## GPU check: NVIDIA H200") < text.index("## GPU check: NVIDIA H100")  # oldest first
+    assert text.count(gpu_check.REPORT_START) == text.count(gpu_check.REPORT_END) == 2
+
+
+def test_again_runs_the_named_steps_into_an_earlier_run_s_folder_and_keeps_the_others(tmp_path, capsys):
+    earlier = {"date": "2026-01-01", "dry": True, "budget_s": 480.0, "command": "make gpu-check DRY=1",
+               "steps": {"environment": {"status": FAILED, "seconds": 1.0}, "analytical": {"status": OK, "seconds": 0.0}},
+               "environment": {"why": "an earlier failure"}, "analytical": {"kept": True}}
+    (tmp_path / gpu_check.RESULTS).write_text(json.dumps(earlier))
+    assert gpu_check.main(["--out", str(tmp_path), "--again", "environment"]) == 0
+    results = json.loads((tmp_path / gpu_check.RESULTS).read_text())
+    assert results["steps"]["environment"]["status"] == OK and "why" not in results["environment"]
+    assert results["analytical"] == {"kept": True} and results["date"] == "2026-01-01"
+    assert [a["steps"] for a in results["again"]] == [["environment"]]
+    assert "--again" in (tmp_path / "REPORT-section.md").read_text()
+    assert gpu_check.main(["--again", "environment"]) == 2  # no folder named: one line, nothing run
+    assert "--again needs --out" in capsys.readouterr().err
 
 
 def test_the_shipped_gpu_profile_and_curve_are_what_planning_for_that_gpu_uses():
