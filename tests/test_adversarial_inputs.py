@@ -119,6 +119,24 @@ def test_a_search_deadline_is_a_number_of_seconds_above_zero(tmp_path, value):
     assert not (tmp_path / "out.yaml").exists()
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "many", "1.5"])
+def test_search_workers_are_a_whole_number_of_at_least_one(tmp_path, value):
+    ran = dflop_here("optimize", "--workers", value, "--out", tmp_path / "out.yaml")
+    assert_only_error(ran, "'--workers'")
+    assert not (tmp_path / "out.yaml").exists()
+
+
+@pytest.mark.processes
+def test_the_plan_is_the_same_for_any_number_of_search_workers(tmp_path):
+    plans = []
+    for workers in ("1", "2"):
+        ran = dflop_here("optimize", "--workers", workers, "--json", "--out", tmp_path / f"{workers}.yaml")
+        assert ran.returncode == 0, ran.stderr
+        found = json.loads(ran.stdout)
+        plans.append(((tmp_path / f"{workers}.yaml").read_text(), found["plan"], found["baselines"]))
+    assert plans[0] == plans[1]
+
+
 # ---- profiles of another model of the same name --------------------------------------------------
 
 CPU = presets.hardware("cpu")

@@ -1,3 +1,5 @@
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -263,3 +265,41 @@ def test_the_layout_gain_is_over_the_best_plan_without_an_encoder_phase(model, c
     assert d["layout_gain"] == pytest.approx(1.25 / 1.1) and d["plan_gain"] == pytest.approx(1.35 / 1.25)
     assert d["layout_gain"] * d["plan_gain"] * d["balance_gain"] == pytest.approx(result.speedup)
     assert without in result.judged() and result.to_json()["decomposition"]["layout_gain"] == d["layout_gain"]
+
+
+def _answer(r):
+    """Everything a search answers: the judged estimates (at the error too), every baseline, the stats."""
+    judged = [(e.plan, e.batching, e.within, e.steps, e.peak_memory, r.at_error[id(e)]) for e in r.judged()]
+    return (judged, [(e.plan, e.steps) for e in r.alternatives], [(b.name, b.reason) for b in r.baselines],
+            r.speedup, r.decomposition, r.stats, r.not_searched)
+
+
+@pytest.mark.processes
+def test_searches_spread_over_workers_give_the_answer_of_one_process(monkeypatch):
+    problem = problem_for("siglip-so400m", "qwen2.5-7b", 16, 128)
+    alone = optimize(problem, 128, first=2, most=3, budget=8, noise=0.2)
+    search = Optimizer.search
+
+    def saying(self, space, batching=Batching.BALANCED):  # a worker's warning reaches the caller, once
+        warnings.warn("a search's warning", UserWarning)
+        return search(self, space, batching)
+
+    monkeypatch.setattr(Optimizer, "search", saying)
+    heard = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spread = optimize(problem, 128, first=2, most=3, budget=8, noise=0.2, workers=3,
+                          progress=lambda *a: heard.append(a))
+    assert _answer(spread) == _answer(alone)
+    assert [str(w.message) for w in caught] == ["a search's warning"]
+    assert heard[-1] == ("every space's", 8, 8)  # dflop's searches and the seven baselines
+
+
+@pytest.mark.processes
+def test_a_search_that_fails_in_a_worker_fails_the_call_as_in_one_process():
+    problem = problem_for("internvit-6b", "qwen2.5-72b", 8, 8)
+    with pytest.raises(InfeasibleError, match="no dflop plan fits 8 x H100") as alone:
+        optimize(problem, 8, first=1, most=1)
+    with pytest.raises(InfeasibleError) as spread:
+        optimize(problem, 8, first=1, most=1, workers=2)
+    assert str(spread.value) == str(alone.value)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from dflop.errors import PlanError, SpecError
 from dflop.specs import (ClusterSpec, HardwareSpec, LLMSpec, ModulePlan, Plan, TrainingSpec,
                          from_mapping, llm_from_hf_config, load_spec, presets, save_spec, to_mapping)
-from dflop.specs.plan import Module, place
+from dflop.specs.plan import Module, Recompute, place
 from dflop.specs.resolve import named_spec
 from dflop.specs.run import RunConfig, load_run_config
 
@@ -80,6 +80,14 @@ plans = st.builds(
     virtual_stages=st.integers(1, 3),
     zero=st.sampled_from([0, 1, 3]),
 )
+
+
+@given(plans, st.sampled_from(list(Recompute)))
+def test_a_plan_recomputing_otherwise_is_the_plan_replace_builds(plan, recompute):
+    _ = plan.strategy  # kept: it does not depend on recomputation
+    quick, checked = plan.recomputing(recompute), replace(plan, recompute=recompute)
+    assert quick == checked and hash(quick) == hash(checked) and quick.recompute is recompute
+    assert quick.strategy == checked.strategy and plan.recompute is Recompute.NONE  # the original unchanged
 
 
 @given(plans)

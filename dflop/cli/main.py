@@ -365,20 +365,24 @@ def baseline_lines(r: dict[str, Any]) -> list[str]:
 @click.option("--calibrate", is_flag=True, help=CALIBRATE_HELP)
 @click.option("--max-seconds", type=click.FloatRange(0.0, min_open=True), callback=_not_nan,
               help="Search deadline: then the best plan found so far, with what was not searched.")
+@click.option("--workers", type=click.IntRange(min=1), help="Processes the searches are spread over (default: "
+              "one per CPU core this process may use; the plan is the same for any number).")
 @json_option
 def optimize(config: Path | None, gpus: int | None, nodes: int | None, error: float | None, out: Path,
-             calibrate: bool, max_seconds: float | None, as_json: bool) -> None:
+             calibrate: bool, max_seconds: float | None, workers: int | None, as_json: bool) -> None:
     """Choose tensor/pipeline/data parallelism for the encoder and the LLM."""
     from dflop.cli.progress import progress_bar
     from dflop.cost.select import prediction_error
     from dflop.jobs.calibrate import planning_setup
     from dflop.jobs.optimize import optimize as optimize_
     from dflop.jobs.report import optimize_json
+    from dflop.plan.search import usable_cores
     from dflop.specs.plan_file import save_plan
 
     s = planning_setup(config, calibrate, log, gpus=gpus, nodes=nodes)
     with progress_bar() as progress:
-        result = optimize_(s, progress=progress, noise=error, max_seconds=max_seconds)
+        result = optimize_(s, progress=progress, noise=error, max_seconds=max_seconds,
+                           workers=workers or usable_cores())
     save_plan(result.best.plan, out, s.system.cluster)
     source = prediction_error(s.system.cost)[1] if error is None else "given with --prediction-error"
     data = {**optimize_json(result, s.system.hardware.usable_memory_bytes, source), "out": str(out)}

@@ -36,13 +36,15 @@ def confirm_with_simpy(s: Setup, batches_: int = 2) -> Callable[[Plan, Batching]
 
 
 def optimize(s: Setup, *, progress: Progress | None = None, baselines: bool = True,
-             noise: float | None = None, max_seconds: float | None = None) -> OptimizeResult:
+             noise: float | None = None, max_seconds: float | None = None, workers: int = 1) -> OptimizeResult:
     """dflop's plan and the baselines'; speedups also at the cost model's prediction error (``noise``,
     by default the profiled model's held-out error or the analytical model's stated default). After
-    ``max_seconds`` the best plan found so far, with what was not searched."""
+    ``max_seconds`` the best plan found so far, with what was not searched; the searches spread over
+    ``workers`` processes."""
     sigma = prediction_error(s.system.cost)[0] if noise is None else noise
     optimizer = Optimizer(s.problem(), s.system.training.global_batch, confirm=confirm_with_simpy(s),
-                          progress=progress, noise=sigma if baselines else 0.0, max_seconds=max_seconds)
+                          progress=progress, noise=sigma if baselines else 0.0, max_seconds=max_seconds,
+                          workers=workers)
     return optimizer.run((DFLOP,), BASELINES if baselines else ())
 
 

@@ -129,6 +129,9 @@ class Estimate:
     caps): a baseline's plan given dflop's bins, sized as it was sized."""
     simulated: float | None = None
     """Step time in the SimPy simulator (with link contention), when confirmed."""
+    at_error: float | None = None
+    """Step time on all ``most`` batches when the world's costs differ from the predictions the
+    bins were made from (the optimizer's ``noise``), when timed."""
     infeasible: bool = False
     """Some batch could not be split within the bin caps the memory check assumed."""
 

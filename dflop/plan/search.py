@@ -28,6 +28,11 @@ costs differ from the predictions the bins were made from. A ``confirm``
 function (SimPy, link contention on) adds simulated times of dflop's choice
 and the strongest baseline, for the report; choices use the fast evaluator.
 
+dflop's searches and each (baseline space, rule) are independent units: with ``workers`` > 1 they
+are spread over that many forked processes, each unit searching alone, so the answer is the one
+a single process finds; the final timings (all ``most`` batches, the prediction error) are made
+in the unit that found the plan, whose caches hold its bins.
+
 With ``max_seconds``, whatever is left when the deadline passes is not searched:
 once dflop's search has timed one plan, the rest of its plans, the refinement,
 the baselines, the timing at the prediction error and the SimPy confirmation
@@ -36,7 +41,11 @@ are skipped, and the result says which (``OptimizeResult.not_searched``).
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,6 +64,8 @@ from dflop.specs.progress import Progress
 
 Confirm = Callable[[Plan, Batching], float]
 """(plan, batching) -> simulated step seconds."""
+Unit = tuple[None, tuple[Space, ...]] | tuple[Space, Batching]
+"""A search that runs alone: (None, dflop's spaces) or (a baseline space, one of its rules)."""
 
 
 @dataclass
@@ -98,7 +109,7 @@ class Optimizer:
     def __init__(self, problem: PlanningProblem, global_batch: int, *, first: int = 3, most: int = 12,
                  budget: int | None = 48, exhaustive: bool = False, confirm: Confirm | None = None,
                  confirm_top: int = 3, progress: Progress | None = None, noise: float = 0.0,
-                 max_seconds: float | None = None) -> None:
+                 max_seconds: float | None = None, workers: int = 1) -> None:
         self.p = problem
         self.pool = BatchPool(problem.data, global_batch, problem.seed)
         self.ev = Evaluator(problem, self.pool, cap_batches=max(most, first))
@@ -110,6 +121,7 @@ class Optimizer:
         self.progress = progress or (lambda what, done, total: None)
         self.usable = problem.cluster.hardware.usable_memory_bytes
         self.max_seconds = max_seconds
+        self.workers = workers
         self.deadline = float("inf")
         self.skipped: list[str] = []
         """What the deadline left out, in words."""
@@ -254,31 +266,79 @@ class Optimizer:
         whole = self.ev._whole_batch(llm, self.first) + self.ev._whole_batch(enc, self.first)
         return float(np.mean(whole)) / self.p.cluster.gpus
 
-    def baselines(self, spaces: tuple[Space, ...], rules: tuple[Batching, ...]) -> tuple[list[Baseline], dict]:
-        """Every (baseline space, rule of ``rules`` that its framework runs): its best plan, or why it
-        has none; and each best plan timed with dflop's bins."""
-        out, stats = [], {}
-        for space in spaces:
-            for rule in (r for r in rules if r in space.rules):
-                if self.late():
-                    self.skipped.append(f"baseline {space.name} / {rule}")
-                    out.append(Baseline(space.name, rule, None, None, "not searched: the deadline passed"))
-                    continue
-                try:
-                    r = self.search(space, rule)
-                except InfeasibleError as exc:
-                    out.append(Baseline(space.name, rule, None, None, str(exc)))
-                    continue
-                stats[f"{space.name}:{rule}"] = r.stats
-                settled = self._settle(r.ranked[:self.confirm_top])
-                if not settled:
-                    out.append(Baseline(space.name, rule, None, None, "its best plans outgrow memory on later batches"))
-                    continue
-                best = settled[0]
-                balanced = self._twin(best, rule)
-                out.append(Baseline(space.name, rule, best, balanced,
-                                    "" if balanced else "its plan does not fit with dflop's bins"))
-        return out, stats
+    def _mine(self, spaces: tuple[Space, ...]) -> tuple[dict, list[Estimate]]:
+        """dflop's searches: their stats, and their best plans timed on all ``most`` batches (the
+        best few, and the best without an encoder phase)."""
+        mine = [self.search(s) for s in spaces]
+        stats = {f"{r.space}:{r.batching}": r.stats for r in mine}
+        pool = self._settle(sorted((e for r in mine for e in r.ranked), key=score)[:self.confirm_top])
+        pool += self._settle(sorted((e for r in mine for e in r.ranked if not e.plan.heterogeneous), key=score)[:1])
+        self._time_at_error(pool)
+        return stats, pool
+
+    def baseline(self, space: Space, rule: Batching) -> tuple[Baseline, dict]:
+        """A baseline space under one of its framework's rules: its best plan, or why it has none;
+        and that plan timed with dflop's bins."""
+        if self.late():
+            self.skipped.append(f"baseline {space.name} / {rule}")
+            return Baseline(space.name, rule, None, None, "not searched: the deadline passed"), {}
+        try:
+            r = self.search(space, rule)
+        except InfeasibleError as exc:
+            return Baseline(space.name, rule, None, None, str(exc)), {}
+        stats = {f"{space.name}:{rule}": r.stats}
+        settled = self._settle(r.ranked[:self.confirm_top])
+        if not settled:
+            return Baseline(space.name, rule, None, None, "its best plans outgrow memory on later batches"), stats
+        best = settled[0]
+        balanced = self._twin(best, rule)
+        self._time_at_error([best] + ([balanced] if balanced else []))
+        why = "" if balanced else "its plan does not fit with dflop's bins"
+        return Baseline(space.name, rule, best, balanced, why), stats
+
+    def _time_at_error(self, estimates: list[Estimate]) -> None:
+        """Each final estimate's ``at_error``: its bins made from the predictions, timed on all ``most``
+        batches as the world costs them (where the optimizer has a ``noise``)."""
+        if self.noisy is None:
+            return
+        if self.late():
+            self.skipped.append("the timing at the prediction error")
+            return
+        for e in estimates:
+            if e.at_error is None:
+                again = Estimate(e.plan, e.batching, e.lower_bound, within=e.within)
+                e.at_error = self.noisy.extend(again, self.most).mean
+
+    def _unit(self, unit: Unit) -> tuple[tuple, list[str]]:
+        """One unit of the search (dflop's spaces, or one baseline space and rule), and what the
+        deadline left out of it."""
+        before = len(self.skipped)
+        found = self._mine(unit[1]) if unit[0] is None else self.baseline(*unit)
+        skipped = self.skipped[before:]
+        del self.skipped[before:]
+        return found, skipped
+
+    def _units(self, units: list[Unit]) -> list[tuple]:
+        """Every unit's result, in order: in this process, or spread over ``workers`` forked
+        processes (each unit searches alone; every result is the one this process would find).
+        Forked, not spawned: a worker starts at once with the problem, its batches and the
+        compiled partitioners, and nothing is pickled on the way in."""
+        workers = min(self.workers, len(units))
+        if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            done = [self._unit(u) for u in units]
+        else:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                     initializer=_adopt, initargs=(self, units)) as pool:
+                futures = [pool.submit(_work, k) for k in range(len(units))]  # dflop's, the longest, first
+                for k, _ in enumerate(as_completed(futures)):
+                    self.progress("every space's", k + 1, len(units))
+                done = [future.result() for future in futures]
+            for warned in dict.fromkeys(w for _, _, said in done for w in said):  # said here, once each
+                warnings.warn_explicit(*warned)
+            done = [(found, skipped) for found, skipped, _ in done]
+        for _, skipped in done:
+            self.skipped += skipped
+        return [found for found, _ in done]
 
     def _twin(self, best: Estimate, rule: Batching) -> Estimate | None:
         """A baseline's plan with dflop's bins: within dflop's usual bin caps, or, where those bins
@@ -294,12 +354,12 @@ class Optimizer:
         start = time.perf_counter()
         if self.max_seconds is not None:
             self.deadline = start + self.max_seconds
-        mine = [self.search(s) for s in spaces]
-        stats = {f"{r.space}:{r.batching}": r.stats for r in mine}
-        pool = self._settle(sorted((e for r in mine for e in r.ranked), key=score)[:self.confirm_top])
-        pool += self._settle(sorted((e for r in mine for e in r.ranked if not e.plan.heterogeneous), key=score)[:1])
-        base, base_stats = self.baselines(baselines, rules)
-        stats.update(base_stats)
+        units: list[Unit] = [(None, spaces)] + [(space, rule) for space in baselines for rule in rules
+                                                 if rule in space.rules]
+        (stats, pool), *base_found = self._units(units)
+        base = [b for b, _ in base_found]
+        for _, found in base_found:
+            stats.update(found)
         pool += [e for b in base for e in (b.best, b.balanced) if e is not None]
         unique = {(e.plan, e.batching, e.within): e for e in sorted(pool, key=score, reverse=True)}
         ranked = sorted(unique.values(), key=score)
@@ -311,19 +371,38 @@ class Optimizer:
         else:
             self._confirm([result.best] + ([result.strongest.best, result.strongest.balanced]
                                            if result.strongest else []))
-        if self.noisy is not None and self.late():
-            self.skipped.append("the timing at the prediction error")
-        elif self.noisy is not None:
+        if self.noisy is not None and all(e.at_error is not None for e in result.judged()):
             result.noise = self.noisy.noise
-            for e in result.judged():  # every one on the same ``most`` batches
-                again = Estimate(e.plan, e.batching, e.lower_bound, within=e.within)
-                result.at_error[id(e)] = self.noisy.extend(again, self.most).mean
+            result.at_error = {id(e): e.at_error for e in result.judged()}
         result.why = explain(result, self.usable)
         if self.skipped:
             result.not_searched = (f"deadline of {self.max_seconds:g} s reached; not searched: "
-                                   + ", ".join(self.skipped))
+                                   + ", ".join(dict.fromkeys(self.skipped)))
         result.seconds = time.perf_counter() - start
         return result
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+_WORKER: list = []
+"""In a worker process only: the optimizer it was forked with and the units to run."""
+
+
+def _adopt(optimizer: Optimizer, units: list[Unit]) -> None:
+    optimizer.progress = lambda what, done, total: None  # the parent reports the units as they finish
+    _WORKER[:] = [optimizer, units]
+
+
+def _work(k: int) -> tuple[tuple, list[str], list[tuple]]:
+    """Unit ``k``, and the warnings it gave, for the parent to give (a worker writes nothing)."""
+    optimizer, units = _WORKER
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        found, skipped = optimizer._unit(units[k])
+    return found, skipped, [(str(w.message), w.category, w.filename, w.lineno) for w in caught]
 
 
 def optimize(problem: PlanningProblem, global_batch: int, **options) -> OptimizeResult:

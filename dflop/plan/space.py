@@ -139,7 +139,7 @@ def variants(space: Space, base: Plan, recompute: tuple[Recompute, ...]) -> list
             for fp32 in space.fp32_grads:
                 plan = replace(base, zero=zero, hsdp=hsdp, fp32_grads=fp32)
                 if not prove_dominated(space, plan):
-                    out.append([replace(plan, recompute=r) for r in recompute])
+                    out.append([plan.recomputing(r) for r in recompute])
     return out
 
 

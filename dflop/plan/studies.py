@@ -11,7 +11,8 @@ The global batch grows with the cluster (``samples_per_gpu``), as it does in
 practice; each point runs the optimizer (dflop's space and the baselines') with
 the fast evaluator. ``search`` options go to :func:`dflop.plan.search.optimize`
 (a smaller ``budget``, ``first``/``most`` batches, other ``spaces``), so a
-notebook can trade thoroughness for time and say so.
+notebook can trade thoroughness for time and say so; a study's searches spread
+over one worker process per usable core unless ``workers`` says otherwise.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dflop.cost.system import System
 from dflop.cost.flops import llm_layer_flops, vit_layer_flops
 from dflop.plan.evaluate import PlanningProblem
 from dflop.plan.report import OptimizeResult, score
-from dflop.plan.search import optimize
+from dflop.plan.search import optimize, usable_cores
 from dflop.specs import presets
 from dflop.specs.hardware import ClusterSpec, TrainingSpec
 from dflop.workload.mixes import MixSpec, mix, synthesize, with_shares
@@ -59,13 +60,17 @@ def _record(result: OptimizeResult, **point: Any) -> dict[str, Any]:
     return out
 
 
+def _search(problem: PlanningProblem, batch: int, options: dict[str, Any]) -> OptimizeResult:
+    return optimize(problem, batch, **{"workers": usable_cores(), **options})
+
+
 def gpu_scaling(gpus: Iterable[int], *, encoder: str = "siglip-so400m", llm: str = "qwen2.5-7b",
                 data: str = "llava-ov", samples_per_gpu: int = 8, hardware: str = "h100",
                 seed: int = 0, **search: Any) -> list[dict[str, Any]]:
     records = []
     for n in gpus:
         p, batch = study_problem(encoder, llm, n, data, samples_per_gpu, hardware, seed)
-        records.append(_record(optimize(p, batch, **search), gpus=n, global_batch=batch, encoder=encoder, llm=llm))
+        records.append(_record(_search(p, batch, search), gpus=n, global_batch=batch, encoder=encoder, llm=llm))
     return records
 
 
@@ -77,7 +82,7 @@ def mix_shift(shares: Iterable[dict[str, float]], *, gpus: int = 32, encoder: st
     for share in shares:
         spec = with_shares(mix(base), **share)
         p, batch = study_problem(encoder, llm, gpus, spec, samples_per_gpu, hardware, seed)
-        records.append(_record(optimize(p, batch, **search), gpus=gpus,
+        records.append(_record(_search(p, batch, search), gpus=gpus,
                                **{f"share_{k}": v for k, v in spec.shares.items()}))
     return records
 
@@ -97,6 +102,6 @@ def model_pairs(pairs: Iterable[tuple[str, str]], *, gpus: int = 64, data: str =
     records = []
     for encoder, llm in pairs:
         p, batch = study_problem(encoder, llm, gpus, data, samples_per_gpu, hardware, seed)
-        records.append(_record(optimize(p, batch, **search), gpus=gpus, encoder=encoder, llm=llm,
+        records.append(_record(_search(p, batch, search), gpus=gpus, encoder=encoder, llm=llm,
                                encoder_to_llm_flops=compute_ratio(p)))
     return records

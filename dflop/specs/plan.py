@@ -163,6 +163,14 @@ class Plan:
         """The encoder runs on the LLM's GPUs (colocated or heterogeneous): the job is the LLM's GPUs."""
         return self.placement is not Placement.DISAGGREGATED
 
+    def recomputing(self, recompute: Recompute) -> "Plan":
+        """This plan with another recomputation. Valid whenever this plan is, so copied without the
+        checks (the search makes one per memory option of every candidate); the strategy stays."""
+        plan = object.__new__(Plan)
+        plan.__dict__.update(self.__dict__)
+        object.__setattr__(plan, "recompute", Recompute(recompute))
+        return plan
+
     @cached_property
     def strategy(self) -> "Strategy":
         """What the plan's memory and placement options mean, each fact named once (kept: the
