@@ -50,7 +50,6 @@ named here so that results can say which rule produced them.
 
 from __future__ import annotations
 
-import heapq
 from enum import Enum
 from functools import lru_cache
 from typing import Callable
@@ -88,26 +87,15 @@ def arrival_chunks(batch: SampleTable, bins: int) -> np.ndarray:
 
 
 def modality_chunks(batch: SampleTable, bins: int) -> np.ndarray:
-    """Longest first, each to the chunk with the least length so far (the lowest such chunk: a
-    heap of (length, chunk) picks what ``argmin`` picks), a chunk leaving once full."""
+    """Longest first, each to the chunk with the least length so far (the lowest such chunk, as
+    LLaVA's ``split_to_even_chunks`` finds it), a chunk leaving once full."""
+    from dflop.schedule.kernels import modality_chunks_loop
+
     n = len(batch)
     lengths = np.maximum(batch.text_tokens, 1).astype(float)
     if n % bins:  # LLaVA's split_to_even_chunks falls back to striding
         return np.arange(n) % bins
-    per_chunk = n // bins
-    chunk = np.empty(n, dtype=np.int64)
-    heap = [(0.0, c) for c in range(bins)]
-    counts = [0] * bins
-    order = np.argsort(-lengths, kind="stable")
-    for i, length in zip(order.tolist(), lengths[order].tolist()):
-        total, c = heap[0]
-        chunk[i] = c
-        counts[c] += 1
-        if counts[c] == per_chunk:
-            heapq.heappop(heap)
-        else:
-            heapq.heapreplace(heap, (total + length, c))
-    return chunk
+    return modality_chunks_loop(lengths, np.argsort(-lengths, kind="stable"), bins, n // bins)
 
 
 def token_chunks(batch: SampleTable, bins: int) -> np.ndarray:

@@ -81,43 +81,90 @@ def _max_row(values, b):
 
 
 @jit
+def _before(key, count, b, hk, hc, hb):
+    """Bin ``b`` (its key and count) before the heap's top entry: (largest load, items, bin)."""
+    if key[b] != hk[0]:
+        return key[b] < hk[0]
+    if count[b] != hc[0]:
+        return count[b] < hc[0]
+    return b < hb[0]
+
+
+@jit
+def _unlink(nxt, prv, head, b):
+    """``b`` out of the waiting list; returns the list's head."""
+    if prv[b] >= 0:
+        nxt[prv[b]] = nxt[b]
+    else:
+        head = nxt[b]
+    if nxt[b] >= 0:
+        prv[nxt[b]] = prv[b]
+    return head
+
+
+@jit
+def _insert(nxt, prv, head, tail, b, at):
+    """``b`` into the waiting list just before ``at`` (at its end when ``at`` is -1); returns (head, tail)."""
+    before = prv[at] if at >= 0 else tail
+    nxt[b], prv[b] = at, before
+    if before >= 0:
+        nxt[before] = b
+    else:
+        head = b
+    if at >= 0:
+        prv[at] = b
+    else:
+        tail = b
+    return head, tail
+
+
+@jit
 def lpt_loop(costs, order, bins, resources, caps, least):
     """Items in ``order``, each to the bin least in (largest load, items, index) among those whose
     held resources plus its own stay within ``caps``; a bin that no item from there on fits
-    (``least``: per position, the least of each resource any later item needs) leaves the heap for
-    good. Returns the assignment, or (-1 - item) for the first item that fits no bin."""
+    (``least``: per position, the least of each resource any later item needs) is dropped for
+    good. Returns the assignment, or (-1 - item) for the first item that fits no bin.
+
+    A bin an item passes over for want of room waits in a list, in the heap's order, until it is
+    chosen: the next items walk that list and the heap together, in order, instead of taking the
+    same full light bins off the heap and back for every item (most of the time on large batches
+    of images). Every bin is in the heap or the list, once, with its current key."""
     n, dims = costs.shape
     kinds = caps.shape[0]
     loads = np.zeros((bins, dims))
     held = np.zeros((bins, kinds))
     key = np.zeros(bins)
     count = np.zeros(bins, dtype=np.int64)
-    hk = np.zeros(bins + n)
-    hc = np.zeros(bins + n, dtype=np.int64)
-    hb = np.zeros(bins + n, dtype=np.int64)
-    aside = np.zeros(bins, dtype=np.int64)
+    hk = np.zeros(bins)
+    hc = np.zeros(bins, dtype=np.int64)
+    hb = np.zeros(bins, dtype=np.int64)
+    nxt = np.full(bins, -1, dtype=np.int64)
+    prv = np.full(bins, -1, dtype=np.int64)
+    head, tail = -1, -1
     size = 0
     for b in range(bins):
         size = _push(hk, hc, hb, size, 0.0, 0, b)
     assignment = np.empty(n, dtype=np.int64)
     for at in range(n):
         item = order[at]
-        chosen, kept = -1, 0
-        while size > 0:
-            b = hb[0]
-            if hk[0] != key[b] or hc[0] != count[b]:  # superseded
+        chosen, waiting = -1, head
+        while waiting >= 0 or size > 0:
+            if waiting >= 0 and (size == 0 or _before(key, count, waiting, hk, hc, hb)):
+                b, waiting = waiting, nxt[waiting]
+                fits = not _over(held[b], resources[item], caps)
+                if fits or _over(held[b], least[at], caps):
+                    if b == tail:
+                        tail = prv[b]
+                    head = _unlink(nxt, prv, head, b)
+            else:
+                b = hb[0]
                 size = _pop(hk, hc, hb, size)
-                continue
-            size = _pop(hk, hc, hb, size)
-            if not _over(held[b], resources[item], caps):
+                fits = not _over(held[b], resources[item], caps)
+                if not fits and not _over(held[b], least[at], caps):
+                    head, tail = _insert(nxt, prv, head, tail, b, waiting)
+            if fits:
                 chosen = b
                 break
-            if not _over(held[b], least[at], caps):
-                aside[kept] = b
-                kept += 1
-        for j in range(kept):
-            b = aside[j]
-            size = _push(hk, hc, hb, size, key[b], count[b], b)
         if chosen < 0:
             return np.full(1, -1 - item, dtype=np.int64)
         for d in range(dims):
@@ -129,6 +176,26 @@ def lpt_loop(costs, order, bins, resources, caps, least):
         assignment[item] = chosen
         size = _push(hk, hc, hb, size, key[chosen], count[chosen], chosen)
     return assignment
+
+
+@jit
+def modality_chunks_loop(lengths, order, bins, per_chunk):
+    """Items in ``order``, each to the chunk least in (length so far, index); a chunk leaves once it
+    holds ``per_chunk`` items."""
+    hk = np.zeros(bins)
+    hc = np.zeros(bins, dtype=np.int64)
+    hb = np.arange(bins)  # all lengths 0, indices ascending: already a heap
+    size = bins
+    counts = np.zeros(bins, dtype=np.int64)
+    chunk = np.empty(lengths.shape[0], dtype=np.int64)
+    for i in order:
+        total, c = hk[0], hb[0]
+        chunk[i] = c
+        counts[c] += 1
+        size = _pop(hk, hc, hb, size)
+        if counts[c] < per_chunk:
+            size = _push(hk, hc, hb, size, total + lengths[i], 0, c)
+    return chunk
 
 
 @jit
