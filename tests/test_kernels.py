@@ -197,3 +197,12 @@ def test_modality_chunks_split_as_llava_does(drawn):
     batch = SampleTable.build(np.arange(len(words)).astype(str), zeros, zeros, words, zeros)
     expected = llava_split_to_even_chunks([float(max(w, 1)) for w in words], chunks)
     assert np.array_equal(modality_chunks(batch, chunks), expected)
+
+
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=200), st.integers(1, 20))  # sums meet budgets often
+def test_megatron_s_packs_end_where_its_packing_closes_them(tokens, budget):
+    from dflop.schedule.batching import _running, packs_under
+    from dflop.schedule.kernels import pack_ends
+
+    expected = np.cumsum([len(pack) for pack in packs_under(tokens, budget)])
+    assert pack_ends(_running(tokens), budget, -1).tolist() == expected.tolist()

@@ -386,10 +386,28 @@ def pack_ends(cum, budget, most):
     ends = np.empty(n, dtype=np.int64)
     count, start = 0, 0
     while start < n and (most < 0 or count <= most):
-        start = max(np.searchsorted(cum, cum[start] + budget, side="right") - 1, start + 1)
+        start = max(_last_within(cum, start, cum[start] + budget), start + 1)
         ends[count] = start
         count += 1
     return ends[:count]
+
+
+@jit
+def _last_within(cum, start, limit):
+    """The last index from ``start`` whose ``cum`` is at most ``limit`` (``cum`` ascending): galloping
+    from ``start``, since a pack spans a few samples of the many a search over all would halve."""
+    n = cum.shape[0]
+    step = 1
+    while start + step < n and cum[start + step] <= limit:
+        step *= 2
+    lo, hi = start + step // 2, min(start + step, n)  # cum[lo] <= limit; from hi on, over it
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if cum[mid] <= limit:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @jit
