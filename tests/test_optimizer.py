@@ -303,3 +303,16 @@ def test_a_search_that_fails_in_a_worker_fails_the_call_as_in_one_process():
     with pytest.raises(InfeasibleError) as spread:
         optimize(problem, 8, first=1, most=1, workers=2)
     assert str(spread.value) == str(alone.value)
+
+
+def _best_in_a_pool_worker(workers):
+    problem = problem_for("siglip-so400m", "qwen2.5-7b", 8, 16)
+    return optimize(problem, 16, first=1, most=1, budget=4, workers=workers).best.steps
+
+
+@pytest.mark.processes
+def test_searches_asked_to_spread_inside_a_pool_s_worker_run_there_alone():
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:  # daemonic: it may start no process
+        assert pool.apply(_best_in_a_pool_worker, (2,)) == _best_in_a_pool_worker(1)

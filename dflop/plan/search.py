@@ -324,7 +324,8 @@ class Optimizer:
         Forked, not spawned: a worker starts at once with the problem, its batches and the
         compiled partitioners, and nothing is pickled on the way in."""
         workers = min(self.workers, len(units))
-        if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        if (workers <= 1 or "fork" not in multiprocessing.get_all_start_methods()
+                or multiprocessing.current_process().daemon):  # a pool's worker may start no process
             done = [self._unit(u) for u in units]
         else:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),

@@ -82,40 +82,21 @@ def _max_row(values, b):
 
 @jit
 def _before(key, count, b, hk, hc, hb):
-    """Bin ``b`` (its key and count) before the heap's top entry: (largest load, items, bin)."""
-    if key[b] != hk[0]:
-        return key[b] < hk[0]
-    if count[b] != hc[0]:
-        return count[b] < hc[0]
+    """(key, count, b) before the heap's top entry: (largest load, items, bin), lexicographically."""
+    if key != hk[0]:
+        return key < hk[0]
+    if count != hc[0]:
+        return count < hc[0]
     return b < hb[0]
 
 
 @jit
-def _unlink(nxt, prv, head, b):
-    """``b`` out of the waiting list; returns the list's head."""
-    if prv[b] >= 0:
-        nxt[prv[b]] = nxt[b]
-    else:
-        head = nxt[b]
-    if nxt[b] >= 0:
-        prv[nxt[b]] = prv[b]
-    return head
-
-
-@jit
-def _insert(nxt, prv, head, tail, b, at):
-    """``b`` into the waiting list just before ``at`` (at its end when ``at`` is -1); returns (head, tail)."""
-    before = prv[at] if at >= 0 else tail
-    nxt[b], prv[b] = at, before
-    if before >= 0:
-        nxt[before] = b
-    else:
-        head = b
-    if at >= 0:
-        prv[at] = b
-    else:
-        tail = b
-    return head, tail
+def _shift(wk, wc, wb, wh, start, stop, by):
+    """Entries [start, stop) of the waiting row moved ``by`` places (1: right, -1: left)."""
+    steps = range(stop - 1, start - 1, -1) if by > 0 else range(start, stop)
+    for w in steps:
+        wk[w + by], wc[w + by], wb[w + by] = wk[w], wc[w], wb[w]
+        wh[w + by] = wh[w]
 
 
 @jit
@@ -125,10 +106,10 @@ def lpt_loop(costs, order, bins, resources, caps, least):
     (``least``: per position, the least of each resource any later item needs) is dropped for
     good. Returns the assignment, or (-1 - item) for the first item that fits no bin.
 
-    A bin an item passes over for want of room waits in a list, in the heap's order, until it is
-    chosen: the next items walk that list and the heap together, in order, instead of taking the
-    same full light bins off the heap and back for every item (most of the time on large batches
-    of images). Every bin is in the heap or the list, once, with its current key."""
+    A bin an item passes over for want of room waits, with what it holds, in a row kept in the
+    heap's order until it is chosen: the next items scan that row beside the heap, in order,
+    instead of taking the same full light bins off the heap and back for every item (most of the
+    time on large batches of images). Every bin is in the heap or the row, once, as it is now."""
     n, dims = costs.shape
     kinds = caps.shape[0]
     loads = np.zeros((bins, dims))
@@ -138,30 +119,36 @@ def lpt_loop(costs, order, bins, resources, caps, least):
     hk = np.zeros(bins)
     hc = np.zeros(bins, dtype=np.int64)
     hb = np.zeros(bins, dtype=np.int64)
-    nxt = np.full(bins, -1, dtype=np.int64)
-    prv = np.full(bins, -1, dtype=np.int64)
-    head, tail = -1, -1
-    size = 0
+    wk = np.zeros(bins)  # the waiting row: key, count, bin, held
+    wc = np.zeros(bins, dtype=np.int64)
+    wb = np.zeros(bins, dtype=np.int64)
+    wh = np.zeros((bins, kinds))
+    waiting, size = 0, 0
     for b in range(bins):
         size = _push(hk, hc, hb, size, 0.0, 0, b)
     assignment = np.empty(n, dtype=np.int64)
     for at in range(n):
         item = order[at]
-        chosen, waiting = -1, head
-        while waiting >= 0 or size > 0:
-            if waiting >= 0 and (size == 0 or _before(key, count, waiting, hk, hc, hb)):
-                b, waiting = waiting, nxt[waiting]
-                fits = not _over(held[b], resources[item], caps)
-                if fits or _over(held[b], least[at], caps):
-                    if b == tail:
-                        tail = prv[b]
-                    head = _unlink(nxt, prv, head, b)
+        chosen, w = -1, 0
+        while w < waiting or size > 0:
+            if w < waiting and (size == 0 or _before(wk[w], wc[w], wb[w], hk, hc, hb)):
+                b = wb[w]
+                fits = not _over(wh[w], resources[item], caps)
+                if fits or _over(wh[w], least[at], caps):  # chosen, or no later item fits it: out
+                    _shift(wk, wc, wb, wh, w + 1, waiting, -1)
+                    waiting -= 1
+                else:
+                    w += 1
             else:
                 b = hb[0]
                 size = _pop(hk, hc, hb, size)
                 fits = not _over(held[b], resources[item], caps)
-                if not fits and not _over(held[b], least[at], caps):
-                    head, tail = _insert(nxt, prv, head, tail, b, waiting)
+                if not fits and not _over(held[b], least[at], caps):  # waits, in its place
+                    _shift(wk, wc, wb, wh, w, waiting, 1)
+                    wk[w], wc[w], wb[w] = key[b], count[b], b
+                    wh[w] = held[b]
+                    waiting += 1
+                    w += 1
             if fits:
                 chosen = b
                 break
