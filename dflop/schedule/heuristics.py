@@ -145,35 +145,16 @@ def repair(problem: PartitionProblem, assignment: np.ndarray) -> np.ndarray:
 
 
 def lpt_groups(problem: PartitionProblem, group: np.ndarray, bins: np.ndarray) -> np.ndarray:
-    """:func:`lpt` of every group of items at once (item i in group ``group[i]``, which has
-    ``bins[g]`` bins), each group's items into its own bins (numbered from 0): the j-th heaviest
-    item of every group in one step, to its lightest bin with room, ties to the fewest items, then
-    the lowest index, as ``lpt`` places it. Thousands of small groups (the replicas of a wide
-    data-parallel plan) cost a few array operations per item of the largest."""
-    n, groups, most = problem.n, len(bins), int(bins.max(initial=0))
-    counts = np.bincount(group, minlength=groups)
-    starts = np.cumsum(counts) - counts
-    order = np.lexsort((np.arange(n), -problem.costs.max(axis=1), group))  # by group, heaviest first
-    loads = np.zeros((groups, most, problem.dims))
-    count = np.zeros((groups, most))
-    held = np.zeros((groups, most, len(problem.caps))) if problem.resources is not None else None
-    closed = np.arange(most)[None, :] >= bins[:, None]  # a group's bins beyond its own
-    out = np.empty(n, dtype=np.int64)
-    for j in range(int(counts.max(initial=0))):
-        g = np.flatnonzero(counts > j)
-        items = order[starts[g] + j]
-        key = np.where(closed[g], np.inf, loads[g].max(axis=2))
-        if held is not None:
-            full = ((held[g] + problem.resources[items][:, None, :]) > problem.caps * (1 + 1e-9)).any(axis=2)
-            key = np.where(full, np.inf, key)
-        lightest = key == key.min(axis=1, keepdims=True)
-        fewest = np.where(lightest, count[g], np.inf)
-        b = np.argmax(fewest == fewest.min(axis=1, keepdims=True), axis=1)
-        if np.isinf(key[np.arange(len(g)), b]).any():
-            raise _no_room(problem, int(items[np.isinf(key[np.arange(len(g)), b])][0]))
-        loads[g, b] += problem.costs[items]
-        count[g, b] += 1
-        if held is not None:
-            held[g, b] += problem.resources[items]
-        out[items] = b
+    """:func:`lpt` of every group of items (item i in group ``group[i]``, which has ``bins[g]``
+    bins), each group's items into its own bins (numbered from 0), placed as ``lpt`` places them,
+    all in one compiled pass: thousands of small groups (the replicas of a wide data-parallel plan)."""
+    from dflop.schedule.kernels import lpt_groups_loop
+
+    counts = np.bincount(group, minlength=len(bins))
+    order = np.lexsort((np.arange(problem.n), -problem.costs.max(axis=1), group))  # by group, heaviest first
+    resources, caps = compiled_caps(problem)
+    out = lpt_groups_loop(np.ascontiguousarray(problem.costs), order, np.cumsum(counts) - counts, counts,
+                          np.asarray(bins, dtype=np.int64), resources, caps)
+    if problem.n and out[0] < 0:
+        raise _no_room(problem, int(-1 - out[0]))
     return out

@@ -166,6 +166,43 @@ def lpt_loop(costs, order, bins, resources, caps, least):
 
 
 @jit
+def lpt_groups_loop(costs, order, starts, counts, bins, resources, caps):
+    """``lpt_loop`` of each group (its items ``order[starts[g]:starts[g] + counts[g]]``, heaviest
+    first, into its ``bins[g]`` bins, numbered from 0); the groups are small, so each item scans its
+    group's bins. Returns the assignment, or (-1 - item) for the first item that fits no bin."""
+    dims, kinds = costs.shape[1], caps.shape[0]
+    most = 0
+    for g in range(bins.shape[0]):
+        most = max(most, bins[g])
+    loads = np.zeros((most, dims))
+    held = np.zeros((most, kinds))
+    count = np.zeros(most, dtype=np.int64)
+    out = np.empty(order.shape[0], dtype=np.int64)
+    for g in range(bins.shape[0]):
+        loads[:] = 0.0
+        held[:] = 0.0
+        count[:] = 0
+        for j in range(counts[g]):
+            item = order[starts[g] + j]
+            chosen, least, fewest = -1, np.inf, 0
+            for b in range(bins[g]):
+                if _over(held[b], resources[item], caps):
+                    continue
+                key = _max_row(loads, b)
+                if chosen < 0 or key < least or (key == least and count[b] < fewest):
+                    chosen, least, fewest = b, key, count[b]
+            if chosen < 0:
+                return np.full(1, -1 - item, dtype=np.int64)
+            for d in range(dims):
+                loads[chosen, d] += costs[item, d]
+            for r in range(kinds):
+                held[chosen, r] += resources[item, r]
+            count[chosen] += 1
+            out[item] = chosen
+    return out
+
+
+@jit
 def modality_chunks_loop(lengths, order, bins, per_chunk):
     """Items in ``order``, each to the chunk least in (length so far, index); a chunk leaves once it
     holds ``per_chunk`` items."""
