@@ -91,6 +91,16 @@ def _before(key, count, b, hk, hc, hb):
 
 
 @jit
+def _place(costs, resources, item, b, loads, held, count):
+    """``item`` into bin ``b``: its costs onto the bin's loads, its resources onto what it holds."""
+    for d in range(costs.shape[1]):
+        loads[b, d] += costs[item, d]
+    for r in range(resources.shape[1]):
+        held[b, r] += resources[item, r]
+    count[b] += 1
+
+
+@jit
 def _shift(wk, wc, wb, wh, start, stop, by):
     """Entries [start, stop) of the waiting row moved ``by`` places (1: right, -1: left)."""
     steps = range(stop - 1, start - 1, -1) if by > 0 else range(start, stop)
@@ -154,12 +164,8 @@ def lpt_loop(costs, order, bins, resources, caps, least):
                 break
         if chosen < 0:
             return np.full(1, -1 - item, dtype=np.int64)
-        for d in range(dims):
-            loads[chosen, d] += costs[item, d]
-        for r in range(kinds):
-            held[chosen, r] += resources[item, r]
+        _place(costs, resources, item, chosen, loads, held, count)
         key[chosen] = _max_row(loads, chosen)
-        count[chosen] += 1
         assignment[item] = chosen
         size = _push(hk, hc, hb, size, key[chosen], count[chosen], chosen)
     return assignment
@@ -193,11 +199,7 @@ def lpt_groups_loop(costs, order, starts, counts, bins, resources, caps):
                     chosen, least, fewest = b, key, count[b]
             if chosen < 0:
                 return np.full(1, -1 - item, dtype=np.int64)
-            for d in range(dims):
-                loads[chosen, d] += costs[item, d]
-            for r in range(kinds):
-                held[chosen, r] += resources[item, r]
-            count[chosen] += 1
+            _place(costs, resources, item, chosen, loads, held, count)
             out[item] = chosen
     return out
 
