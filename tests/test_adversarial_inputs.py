@@ -126,15 +126,24 @@ def test_search_workers_are_a_whole_number_of_at_least_one(tmp_path, value):
     assert not (tmp_path / "out.yaml").exists()
 
 
-@pytest.mark.processes
-def test_the_plan_is_the_same_for_any_number_of_search_workers(tmp_path):
-    plans = []
-    for workers in ("1", "2"):
-        ran = dflop_here("optimize", "--workers", workers, "--json", "--out", tmp_path / f"{workers}.yaml")
+def test_search_workers_reach_the_search_one_per_usable_core_by_default(tmp_path, monkeypatch):
+    """That N workers give the plan of one is the optimizer's test (test_optimizer.py); here, that
+    the option gets there. The search runs in this process: it is the number that is checked."""
+    from dflop.plan import search
+
+    asked = []
+    in_process = search.Optimizer._units
+
+    def recorded(self, units):
+        asked.append(self.workers)
+        self.workers = 1
+        return in_process(self, units)
+
+    monkeypatch.setattr(search.Optimizer, "_units", recorded)
+    for given in (["--workers", "3"], []):
+        ran = dflop_here("optimize", *given, "--max-seconds", "0.01", "--out", tmp_path / "out.yaml")  # soon over
         assert ran.returncode == 0, ran.stderr
-        found = json.loads(ran.stdout)
-        plans.append(((tmp_path / f"{workers}.yaml").read_text(), found["plan"], found["baselines"]))
-    assert plans[0] == plans[1]
+    assert asked == [3, search.usable_cores()]
 
 
 # ---- profiles of another model of the same name --------------------------------------------------
