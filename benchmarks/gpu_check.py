@@ -695,12 +695,13 @@ def main(argv: list[str] | None = None) -> int:
         return reanalyse(args.reanalyse, args.add_store, args.report)
     earlier = None
     if args.again:
-        if args.out is None or not (args.out / RESULTS).is_file():
-            print(f"gpu-check: --again needs --out, the folder of an earlier run (no {RESULTS} in {args.out})",
-                  file=sys.stderr)
+        try:
+            earlier = json.loads((args.out / RESULTS).read_text()) if args.out is not None else None
+            args.dry = earlier["dry"]
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            print(f"gpu-check: --again needs --out, the folder of an earlier run: no readable {RESULTS} in "
+                  f"{args.out} ({type(exc).__name__})", file=sys.stderr)
             return 2
-        earlier = json.loads((args.out / RESULTS).read_text())
-        args.dry = earlier["dry"]
     start = time.monotonic()
     target = Target.of(args.dry)
     if not args.dry:

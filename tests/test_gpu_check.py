@@ -140,8 +140,13 @@ def test_again_runs_the_named_steps_into_an_earlier_run_s_folder_and_keeps_the_o
     assert results["analytical"] == {"kept": True} and results["date"] == "2026-01-01"
     assert [a["steps"] for a in results["again"]] == [["environment"]]
     assert "--again" in (tmp_path / "REPORT-section.md").read_text()
-    assert gpu_check.main(["--again", "environment"]) == 2  # no folder named: one line, nothing run
-    assert "--again needs --out" in capsys.readouterr().err
+    capsys.readouterr()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / gpu_check.RESULTS).write_text("{not json")
+    for folder in ([], ["--out", str(tmp_path / "none")], ["--out", str(tmp_path / "broken")]):
+        assert gpu_check.main([*folder, "--again", "environment"]) == 2  # one line, nothing run
+        said = capsys.readouterr().err
+        assert said.startswith("gpu-check: --again needs --out") and said.count("\n") == 1
 
 
 def test_the_shipped_gpu_profile_and_curve_are_what_planning_for_that_gpu_uses():
