@@ -82,12 +82,20 @@ plans = st.builds(
 )
 
 
-@given(plans, st.sampled_from(list(Recompute)))
-def test_a_plan_recomputing_otherwise_is_the_plan_replace_builds(plan, recompute):
-    _ = plan.strategy  # kept: it does not depend on recomputation
-    quick, checked = plan.recomputing(recompute), replace(plan, recompute=recompute)
-    assert quick == checked and hash(quick) == hash(checked) and quick.recompute is recompute
-    assert quick.strategy == checked.strategy and plan.recompute is Recompute.NONE  # the original unchanged
+@given(plans, st.fixed_dictionaries({}, optional={"zero": st.sampled_from([0, 1, 2, 3, 4]), "hsdp": st.booleans(),
+                                                  "fp32_grads": st.booleans(),
+                                                  "recompute": st.sampled_from(list(Recompute))}))
+def test_a_plan_with_other_memory_options_is_the_plan_replace_builds(plan, options):
+    _ = plan.strategy  # kept only where the options leave it as it was
+    try:
+        checked = replace(plan, **options)
+    except SpecError as exc:
+        with pytest.raises(SpecError, match=str(exc).split(":")[0]):
+            plan.with_options(**options)
+        return
+    quick = plan.with_options(**options)
+    assert quick == checked and hash(quick) == hash(checked) and quick.strategy == checked.strategy
+    assert quick.recompute is checked.recompute and replace(plan) == plan  # the original unchanged
 
 
 @given(plans)

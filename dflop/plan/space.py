@@ -137,9 +137,9 @@ def variants(space: Space, base: Plan, recompute: tuple[Recompute, ...]) -> list
             continue
         for hsdp in ((False, True) if strategy.shards_parameters and space.hsdp else (False,)):
             for fp32 in space.fp32_grads:
-                plan = replace(base, zero=zero, hsdp=hsdp, fp32_grads=fp32)
+                plan = base.with_options(zero=zero, hsdp=hsdp, fp32_grads=fp32)
                 if not prove_dominated(space, plan):
-                    out.append([plan.recomputing(r) for r in recompute])
+                    out.append([plan.with_options(recompute=r) for r in recompute])
     return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
 from dflop.errors import PlanError
 from dflop.specs.hardware import ClusterSpec
@@ -95,6 +95,10 @@ def even_split(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < extra else 0) for i in range(stages))
 
 
+MEMORY_OPTIONS = ("zero", "hsdp", "fp32_grads", "recompute")
+"""The fields of a plan that change its memory, not its layout: ``Plan.with_options``."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """A complete parallel plan for an encoder + LLM model."""
@@ -163,12 +167,22 @@ class Plan:
         """The encoder runs on the LLM's GPUs (colocated or heterogeneous): the job is the LLM's GPUs."""
         return self.placement is not Placement.DISAGGREGATED
 
-    def recomputing(self, recompute: Recompute) -> "Plan":
-        """This plan with another recomputation. Valid whenever this plan is, so copied without the
-        checks (the search makes one per memory option of every candidate); the strategy stays."""
+    def with_options(self, **options: Any) -> "Plan":
+        """This plan with other memory options (``zero``, ``hsdp``, ``fp32_grads``, ``recompute``),
+        checked by the rules of those options alone: the rest of the plan is valid already, and the
+        search makes one such plan per option of every candidate, by the hundred thousand."""
+        unknown = set(options) - set(MEMORY_OPTIONS)
+        if unknown:
+            raise TypeError(f"not a memory option of a plan: {', '.join(sorted(unknown))}")
         plan = object.__new__(Plan)
         plan.__dict__.update(self.__dict__)
-        object.__setattr__(plan, "recompute", Recompute(recompute))
+        if set(options) - {"recompute"}:
+            plan.__dict__.pop("strategy", None)  # made again from the new options when asked
+        for name, value in options.items():
+            object.__setattr__(plan, name, value)
+        object.__setattr__(plan, "recompute", Recompute(plan.recompute))
+        require(plan.zero in (0, 1, 2, 3), f"zero: must be 0, 1, 2 or 3, got {plan.zero!r}")
+        require(not plan.hsdp or plan.zero == 3, "hsdp: hybrid sharding needs zero 3")
         return plan
 
     @cached_property
