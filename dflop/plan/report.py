@@ -55,13 +55,17 @@ class OptimizeResult:
     why: list[str] = field(default_factory=list)
     noise: float = 0.0
     """Per-sample prediction error (lognormal sigma) of ``at_error``; 0 when not measured."""
-    at_error: dict[int, float] = field(default_factory=dict)
-    """id(estimate) -> its mean step time when the world's costs differ from the predictions."""
     not_searched: str = ""
     """What a search deadline left out, in one line ('' when everything was searched)."""
     homogeneous: Estimate | None = None
     """The best plan without a heterogeneous encoder phase (dflop's own or a baseline's with dflop's
     bins), when dflop's choice has one: the decomposition's layout gain is over it."""
+
+    @property
+    def at_error(self) -> dict[int, float]:
+        """id(estimate) -> its mean step time when the world's costs differ from the predictions, for
+        every estimate the report compares (empty when not measured)."""
+        return {id(e): e.at_error for e in self.judged()} if self.noise else {}
 
     @property
     def without_phase(self) -> Estimate:

@@ -374,7 +374,6 @@ class Optimizer:
                                            if result.strongest else []))
         if self.noisy is not None and all(e.at_error is not None for e in result.judged()):
             result.noise = self.noisy.noise
-            result.at_error = {id(e): e.at_error for e in result.judged()}
         result.why = explain(result, self.usable)
         if self.skipped:
             result.not_searched = (f"deadline of {self.max_seconds:g} s reached; not searched: "

@@ -140,6 +140,9 @@ class Plan:
         require(self.microbatches >= 1, f"microbatches: must be at least 1, got {self.microbatches}")
         require(self.virtual_stages >= 1,
                 f"virtual_stages: must be at least 1, got {self.virtual_stages}")
+        self._check_memory_options()
+
+    def _check_memory_options(self) -> None:
         require(self.zero in (0, 1, 2, 3), f"zero: must be 0, 1, 2 or 3, got {self.zero!r}")
         require(not self.hsdp or self.zero == 3, "hsdp: hybrid sharding needs zero 3")
 
@@ -181,8 +184,7 @@ class Plan:
         for name, value in options.items():
             object.__setattr__(plan, name, value)
         object.__setattr__(plan, "recompute", Recompute(plan.recompute))
-        require(plan.zero in (0, 1, 2, 3), f"zero: must be 0, 1, 2 or 3, got {plan.zero!r}")
-        require(not plan.hsdp or plan.zero == 3, "hsdp: hybrid sharding needs zero 3")
+        plan._check_memory_options()
         return plan
 
     @cached_property
