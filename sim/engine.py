@@ -17,7 +17,9 @@ The simulation is event-driven without processes: a compute node or a
 collective is one SimPy event, scheduled when it can start and firing when it
 ends; its callback hands the end time to the nodes that wait for it. Sends and
 receives need no events of their own: when a send's producer finishes, the
-transfer is booked on its link and the arrival time passed on at once. Only
+transfer is booked on its link and the arrival time passed on at once, straight
+to what reads its receive (``StepGraph.delivery``); a receive's times follow
+after the run from its send's and its worker's previous compute node's. Only
 SimPy's public API is used (``timeout``, an event's ``callbacks`` and
 ``value``, ``now``, ``run``), so SimPy may change its internals freely; a
 compute node's end is known when its event is scheduled, so its callback reads
@@ -49,7 +51,7 @@ class Execution:
     peak: np.ndarray
     """Per worker: peak bytes."""
     oom: list[dict] = field(default_factory=list)
-    """Workers that went beyond their memory: worker, ns, bytes, capacity."""
+    """Workers that went beyond their memory: worker, ns, bytes, capacity; the first in time first."""
     events: int = 0
     """SimPy events the run scheduled (for benchmarks against a bare SimPy loop)."""
 
@@ -64,16 +66,20 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
     device)."""
     env = simpy.Environment()
     n = len(graph)
-    start, end = [0] * n, [-1] * n  # end -1 until the node has finished (or, for one that runs, is due)
-    consumers, link = graph.consumers, graph.link
+    end = [-1] * n  # -1 until the node has finished (or, for one that runs, is due)
+    start: dict[int, int] = {}  # where it is not its end less its duration (shared cores, a collective)
+    link = graph.link
     kind = graph.roles
-    compute, send, receive = Role.COMPUTE, Role.SEND, Role.RECEIVE  # locals: read once per node
+    compute, send = Role.COMPUTE, Role.SEND  # locals: read once per node
     duration = costs.duration.tolist()
-    grow = (costs.alloc + costs.transient).tolist()  # held from a compute node's start to its end, and after
-    shrink = (costs.free + costs.transient).tolist()
+    grow_bytes = costs.alloc + costs.transient  # held from a compute node's start to its end, and after
+    shrink_bytes = costs.free + costs.transient
+    grow = grow_bytes.tolist() if grow_bytes.any() else [0] * n
+    shrink = shrink_bytes.tolist() if shrink_bytes.any() else [0] * n
     lag = costs.lag  # read for anchored nodes only (.item(): the Python number tolist would give)
-    overlapping = graph.overlapping
-    missing = list(graph.waits)
+    overlapping, delivery = graph.overlapping, graph.delivery
+    delivers = delivery.delivers
+    missing = list(delivery.waits)
     ready_at = [0] * n
     collective_missing = [len(c) for c in graph.collectives]
     link_free = [0] * graph.links
@@ -89,6 +95,7 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
     if cores is not None and cores < sum(ranks):
         sharing = ProcessorSharing(env, cores, lambda k, now: compute_ended(k, now), lambda c, now: known(c, now, now))
     wakes = 0
+    plain = graph.unanchored_compute if sharing is None else [False] * n  # ``finished`` starts these itself
 
     def change(w: int, delta: float, at: int) -> None:
         now_held = held[w] = held[w] + delta
@@ -107,20 +114,48 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
         if not missing[c]:
             begin(c, now)
 
-    def finished(k: int, at: int, now: int) -> None:
-        """Node k ends at ``at`` (>= now): pass it on to whatever waits for it (``known``, inlined:
-        this runs once per edge)."""
-        end[k] = at
-        for c in consumers[k]:
+    def finished(event: simpy.Event | None, k: int = 0, at: int = 0, now: int = 0) -> None:
+        """Node k ends at ``at`` (>= now): pass it on to what waits for it (``Delivery``). SimPy
+        calls it with a compute node's end event, everything else with no event and the node.
+
+        It runs once per compute node and its loop once per edge, so the hot cases are inlined
+        (its event's handler, ``known``, and ``begin`` of a compute node nothing is anchored on
+        and of a send that follows its producer): the loop is most of a step's time."""
+        if event is not None:
+            k = event.value
+            now = at = end[k]  # == env.now: the event was due then
+            if shrink[k]:
+                change(worker_of[k], -shrink[k], now)
+        else:
+            end[k] = at
+        for c in delivers[k]:
+            if c < 0:  # a send of what k made (``book``, inlined): what follows reads it on arrival
+                c = ~c
+                sent = end[k]
+                if contention:
+                    wire = link[c]
+                    if link_free[wire] > sent:
+                        sent = link_free[wire]
+                    link_free[wire] = sent + duration[c]
+                end[c] = at = sent + duration[c]
+                continue
             if at > ready_at[c]:
                 ready_at[c] = at
             left = missing[c] = missing[c] - 1
-            if not left:
+            if left:
+                continue
+            if plain[c]:
+                ready = ready_at[c]  # >= at >= now
+                if grow[c]:  # the worker is idle until then, so booking early changes no peak
+                    change(worker_of[c], grow[c], ready)
+                end[c] = due = ready + duration[c]
+                timeout(due - now, c).callbacks.append(finished)
+            else:
                 begin(c, now)
 
     def begin(k: int, now: int) -> None:
-        """Everything k waits for is known to end by ``ready_at[k]``. The branches go by how often
-        they come: a compute node, then a receive and its send, then a collective."""
+        """Everything k waits for is known to end by ``ready_at[k]``: a compute node or a
+        collective (``finished`` starts the rest)."""
         nonlocal wakes
         what = kind[k]
         if what is compute:
@@ -131,24 +166,9 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
                 wakes += 1
                 timeout(at - now, k).callbacks.append(lambda event: run(event.value, env.now, env.now))
                 return
-            if sharing is not None or overlapping[k] or grow[k]:
-                run(k, at, now)
-                return
-            start[k] = at  # ``run``, inlined for what most nodes are: no memory change, nothing anchored
-            end[k] = due = at + duration[k]
-            timeout(due - now, k).callbacks.append(compute_done)
-        elif what is receive:  # complete when its data has arrived
-            start[k] = ready_at[k]
-            finished(k, ready_at[k], now)
-        elif what is send:
-            sent = ready_at[k]
-            if contention:
-                wire = link[k]
-                if link_free[wire] > sent:
-                    sent = link_free[wire]
-                link_free[wire] = sent + duration[k]
-            start[k] = sent
-            finished(k, sent + duration[k], now)
+            run(k, at, now)
+        elif what is send:  # one that waits for more than its producer
+            finished(None, k, book(k, ready_at[k]), now)
         else:
             c = graph.nodes[k].collective
             collective_missing[c] -= 1
@@ -159,42 +179,56 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
                     start[m] = at
                 timeout(at - now + duration[k], c).callbacks.append(collective_done)
 
+    def book(k: int, ready: int) -> int:
+        """Send k's transfer, from ``ready`` or once its link is free: its arrival."""
+        sent = ready
+        if contention:
+            wire = link[k]
+            if link_free[wire] > sent:
+                sent = link_free[wire]
+            link_free[wire] = sent + duration[k]
+        return sent + duration[k]
+
     def run(k: int, at: int, now: int) -> None:
-        start[k] = at
         if grow[k]:  # the worker is idle until then, so booking early changes no peak
             change(worker_of[k], grow[k], at)
         if sharing is not None:  # at == now: it ends (and reaches its lags) as its share of the cores works
+            start[k] = at
             sharing.join(k, duration[k], ranks[worker_of[k]], [(c, lag[c].item()) for c in overlapping[k]])
             return
         end[k] = at + duration[k]  # when its event fires (read there instead of the clock)
-        timeout(at - now + duration[k], k).callbacks.append(compute_done)
+        timeout(at - now + duration[k], k).callbacks.append(finished)
         for c in overlapping[k]:
             known(c, at + lag[c].item(), now)
-
-    def compute_done(event: simpy.Event) -> None:
-        k = event.value
-        compute_ended(k, end[k])  # == env.now: the event was due then
 
     def compute_ended(k: int, now: int) -> None:
         if shrink[k]:
             change(worker_of[k], -shrink[k], now)
-        finished(k, now, now)
+        finished(None, k, now, now)
 
     def collective_done(event: simpy.Event) -> None:
         now = env.now
         for m in graph.collectives[event.value]:
-            finished(m, now, now)
+            finished(None, m, now, now)
 
-    for k in range(n):
-        if not missing[k]:
-            begin(k, 0)
+    for k in graph.roots:
+        begin(k, 0)
     env.run()
-    ends = np.array(end, dtype=np.int64)
+    ends = np.fromiter(end, np.int64, n)
+    starts = ends - costs.duration
+    if start:
+        starts[np.fromiter(start, np.int64, len(start))] = np.fromiter(start.values(), np.int64, len(start))
+    # a receive ends as the later of its deps (a stall still leaves -1 at the node that did not end)
+    ends[delivery.receives] = starts[delivery.receives] = np.maximum(ends[delivery.sends], ends[delivery.previous])
     unfinished = np.flatnonzero(ends < 0)
     if len(unfinished):
         first = int(unfinished[0])
         raise RuntimeError(f"simulation stalled with {len(unfinished)} nodes unfinished, first "
                            f"{graph.labels[first]} on worker {worker_of[first]}")
     # one event per compute node (or per change of the cores' shares) and one per collective
-    events = len(graph.collectives) + (kind.count(Role.COMPUTE) if sharing is None else sharing.events + wakes)
-    return Execution(np.array(start, dtype=np.int64), ends, memory, np.array(peak, dtype=float), oom, events)
+    events = len(graph.collectives) + (len(graph.compute_nodes) if sharing is None else sharing.events + wakes)
+    oom.sort(key=lambda e: (e["ns"], e["worker"]))  # booked as the events come, not in time order
+    # the handlers refer to each other: undone here, the cycle (and every list it holds) would wait
+    # for the garbage collector
+    finished = begin = run = compute_ended = collective_done = known = None  # noqa: F841
+    return Execution(starts, ends, memory, np.array(peak, dtype=float), oom, events)

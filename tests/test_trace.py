@@ -167,7 +167,7 @@ def test_one_record_loop_takes_the_workers_once_and_ends_compute_at_the_last_com
                                       microbatches=2)))
     start = np.arange(len(graph), dtype=np.int64) * 10
     end = start + 5
-    compute = graph.compute_nodes()
+    compute = graph.compute_nodes
     assert int(end.argmax()) not in compute  # the reduction ends last
     trace = TraceBuilder()
     ends = [record_graph_step(trace, graph, start, end, step=i, offset_ns=1000 * i, step_ns=900, samples=4)

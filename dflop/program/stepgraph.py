@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from functools import cached_property
 
+import numpy as np
+
 from dflop.program.actions import Kind
 from dflop.program.routing import BridgeRoutes
 from dflop.program.template import Template
@@ -122,6 +124,30 @@ class Worker:
 
 
 @dataclass(frozen=True)
+class Delivery:
+    """A step graph as an executor reads it that gives sends and receives no step of their own.
+
+    A receive is folded into its send: it waits only for the send and its worker's previous
+    compute node (``StepGraph.deps``), which also precedes whatever reads it, so a send delivers
+    to what reads its receive. A compute node's data input made earlier on its own worker is left
+    out: its end precedes the worker's previous compute node's start, which the node waits for
+    anyway. A send that waits for one node alone follows it in that node's list, as ``~send`` and
+    then what it delivers to, after the node's other consumers: that node's end starts the transfer.
+    """
+
+    delivers: list[list[int]]
+    """Per node: what to tell when it ends."""
+    waits: list[int]
+    """Per node: how many of those tellings (and anchor starts) it waits for."""
+    receives: np.ndarray
+    sends: np.ndarray
+    """Per receive: its send."""
+    previous: np.ndarray
+    """Per receive: its worker's previous compute node, or its send where there is none. A
+    receive ends as the later of the two ends."""
+
+
+@dataclass(frozen=True)
 class StepGraph:
     template: Template
     workers: tuple[Worker, ...]
@@ -184,12 +210,52 @@ class StepGraph:
         return [n.label for n in self.nodes]
 
     @cached_property
-    def consumers(self) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in self.nodes]
-        for n, deps in enumerate(self.deps):
-            for d in deps:
-                out[d].append(n)
-        return out
+    def delivery(self) -> Delivery:
+        """``Delivery``: the graph as an executor that gives sends and receives no step of their
+        own reads it (one pass over ``deps``: it is built once per lowered graph)."""
+        roles, deps, worker_of = self.roles, self.deps, self.worker_of
+        compute, send, receive = Role.COMPUTE, Role.SEND, Role.RECEIVE
+        n = len(self.nodes)
+        anchor = self.anchor or (-1,) * n
+        before = [-1] * n  # per compute node: its worker's previous one
+        for ids in self.order:
+            last = -1
+            for k in ids:
+                if roles[k] is compute:
+                    before[k], last = last, k
+        waits = list(self.waits)
+        delivers: list[list[int]] = [[] for _ in range(n)]
+        follows: dict[int, list[int]] = {}  # per node: the sends that wait for it alone
+        receives, sends, previous = [], [], []
+        for c, role in enumerate(roles):
+            mine = deps[c]
+            if role is receive:  # what the fold takes for granted
+                if roles[mine[0]] is not send or len(mine) > 2 or roles[mine[-1]] not in (send, compute):
+                    raise ValueError(f"{self.labels[c]}: a receive that waits for more than its send and "
+                                     "its worker's previous compute node")
+                receives.append(c)
+                sends.append(mine[0])
+                previous.append(mine[-1])
+                continue
+            if role is send and len(mine) == 1:
+                follows.setdefault(mine[0], []).append(c)
+                continue
+            for d in mine:
+                what = roles[d]
+                if what is receive:
+                    d = deps[d][0]  # its send tells c on arrival
+                elif what is send:
+                    raise ValueError(f"{self.labels[c]}: reads a send, not its receive")
+                elif (what is compute and role is compute and before[c] != d and anchor[c] < 0
+                        and worker_of[d] == worker_of[c]):
+                    waits[c] -= 1  # d ended before c's previous compute node started
+                    continue
+                delivers[d].append(c)
+        for k, followers in follows.items():
+            for s in followers:
+                delivers[k] += [~s, *delivers[s]]
+        return Delivery(delivers, waits, np.array(receives, dtype=np.int64), np.array(sends, dtype=np.int64),
+                        np.array(previous, dtype=np.int64))
 
     @cached_property
     def overlapping(self) -> list[list[int]]:
@@ -198,6 +264,16 @@ class StepGraph:
         for n, a in enumerate(self.anchor):
             if a >= 0:
                 out[a].append(n)
+        return out
+
+    @cached_property
+    def unanchored_compute(self) -> list[bool]:
+        """Per node: a compute node that nothing is anchored on (what a simulator starts at once)."""
+        compute = Role.COMPUTE
+        out = [role is compute for role in self.roles]
+        for a in self.anchor:
+            if a >= 0:
+                out[a] = False
         return out
 
     @cached_property
@@ -236,8 +312,15 @@ class StepGraph:
                 out[n] = i
         return out
 
+    @cached_property
     def compute_nodes(self) -> list[int]:
-        return [n for n, node in enumerate(self.nodes) if node.kind.is_compute]
+        compute = Role.COMPUTE
+        return [n for n, role in enumerate(self.roles) if role is compute]
+
+    @cached_property
+    def roots(self) -> tuple[int, ...]:
+        """The nodes that wait for nothing: where a step starts."""
+        return tuple(n for n, waits in enumerate(self.waits) if not waits)
 
     def table(self, limit: int = 40) -> str:
         """Worker-by-position table of labels (what ``_format_pipeline_order`` shows for torch)."""

@@ -105,7 +105,7 @@ def record_graph_step(trace: TraceBuilder, graph: StepGraph, start: Sequence[int
     if not trace.workers:
         trace.set_workers(worker_records(graph, costs))
     record_step(trace, graph, start, end, step=step, offset_ns=offset_ns, costs=costs, memory=memory)
-    compute_end = int(max(end[k] for k in graph.compute_nodes()))
+    compute_end = int(max(end[k] for k in graph.compute_nodes))
     span = int(max(end, default=0)) if step_ns is None else step_ns
     trace.step(step, offset_ns, offset_ns + compute_end, offset_ns + span, **extra)
     return compute_end
