@@ -17,7 +17,7 @@ from dflop.timing.overlap import Overlap, with_overlap
 from dflop.timing.perop import PerOp
 from dflop.program.schedules import build
 from dflop.program.lowering import lower
-from dflop.program.stepgraph import Stream
+from dflop.program.stepgraph import Role, Stream
 from dflop.timing.steps import CostedPlan
 from dflop.program.template import build_template, program_for, waits_for
 from dflop.sim import execute, simulate_pipeline
@@ -124,6 +124,44 @@ def test_execution_invariants(case, contention, overlap):
     assert ex.makespan >= int(end.max())  # at least the longest dependency chain
     if not contention:
         assert ex.makespan == int(end.max()) == evaluate(timing).step_ns
+
+
+@given(pipelines(), st.sampled_from(list(Overlap)))
+def test_the_executors_view_tells_every_node_as_often_as_it_waits_and_keeps_every_constraint(case, overlap):
+    """``StepGraph.delivery``: a node is told once per thing it waits for (a send that follows its
+    producer, once by it), no receive is told, and every dep of a node is still told to it or
+    implied: a receive by its send, an earlier compute node of its worker by its previous one."""
+    template, (f, i, w), p2p = case
+    graph = pipeline_graph(template, f, i, w, p2p, overlap)[0]
+    view, roles = graph.delivery, graph.roles
+    told = [0] * len(graph)
+    heard: list[set[int]] = [set() for _ in graph.nodes]
+    followers = {~c for targets in view.delivers for c in targets if c < 0}  # their own lists go unread
+    for k, targets in enumerate(view.delivers):
+        if k in followers:
+            continue
+        source = k
+        for c in targets:
+            if c < 0:
+                told[~c] += 1
+                heard[~c].add(k)
+                source = ~c
+                continue
+            told[c] += 1
+            heard[c].add(source)
+    anchored = [int(a >= 0) for a in graph.anchor] if graph.anchor else [0] * len(graph)
+    for c, role in enumerate(roles):
+        if role is Role.RECEIVE:
+            assert told[c] == 0
+            continue
+        assert told[c] + anchored[c] == view.waits[c]
+        for d in graph.deps[c]:
+            if roles[d] is Role.RECEIVE:
+                assert graph.deps[d][0] in heard[c]
+            elif d not in heard[c]:  # implied: an earlier compute node of its worker, not the last
+                assert roles[d] is roles[c] is Role.COMPUTE and graph.worker_of[d] == graph.worker_of[c]
+                assert any(e in heard[c] and graph.position[d] < graph.position[e] for e in graph.deps[c]
+                           if roles[e] is Role.COMPUTE and graph.worker_of[e] == graph.worker_of[c])
 
 
 @given(pipelines(), st.integers(2, 5))
