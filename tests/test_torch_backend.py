@@ -1,6 +1,7 @@
 """The torch backend on real processes (gloo, one thread each): it trains exactly what one process
 trains, runs the same step graphs as the simulator, fails loudly, and resumes where it stopped."""
 
+import importlib.util
 import time
 
 import numpy as np
@@ -10,10 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dflop.backends import ScheduledBatch, get_backend
-from dflop.backends.torch_runtime.backend import RankFailed, TorchBackend, start_method
+from dflop.backends.torch_runtime.backend import RankFailed, TorchBackend
+from dflop.backends.torch_runtime.cpu_process import FORK_SERVER_IMPORTS, start_method
 from dflop.backends.torch_runtime.model import whole_model_name
 from dflop.backends.torch_runtime.reference import reference_training
-from dflop.backends.torch_runtime.worker import Payload, TorchOptions, heaviest_step
+from dflop.backends.torch_runtime.worker import Payload, TorchOptions, heaviest_step, rank_entry
 from dflop.cost import System
 from dflop.cost.select import select_cost_model
 from dflop.errors import DflopError
@@ -226,6 +228,17 @@ def test_ranks_fork_from_a_server_unless_its_socket_path_is_too_long_for_an_addr
     assert start_method("/tmp/pymp-abcdefgh") == "forkserver"
     assert start_method("/tmp/" + "d" * 70 + "/pymp-abcdefgh") == "forkserver"  # its listener: 107 characters
     assert start_method("/tmp/" + "d" * 71 + "/pymp-abcdefgh") == "spawn"  # 108
+
+
+def test_the_fork_server_imports_the_modules_the_started_processes_run_under_their_own_names():
+    """A server imports its list once and ignores a name it cannot import: the code a rank or a
+    profiling twin runs must be there under the name its pickled entry point gives."""
+    from dflop.profile.profiler import _twin
+
+    for entry in (rank_entry, _twin):
+        assert entry.__module__ in FORK_SERVER_IMPORTS
+    for name in FORK_SERVER_IMPORTS[1:]:
+        assert importlib.util.find_spec(name) is not None, name
 
 
 def test_an_unknown_backend_lists_the_valid_ones():

@@ -45,6 +45,7 @@ from dflop.trace.record import record_graph_step
 from dflop.workload.chat import Encoded, by_step, encode_samples, load_chat
 
 from dflop.backends.torch_runtime import checkpoint
+from dflop.backends.torch_runtime.cpu_process import start_method
 from dflop.backends.torch_runtime.hf_checkpoint import check_checkpoint, open_checkpoint
 from dflop.backends.torch_runtime.progress import WARMUP, read_progress, telling_steps
 from dflop.backends.torch_runtime.worker import Payload, RankResult, TorchOptions, rank_entry, run_rank
@@ -59,8 +60,6 @@ class RankFailed(DflopError):
         self.details = details
 
 
-UNIX_PATH_MAX = 107
-"""The longest path a Unix socket address holds (Linux: 108 bytes, the last a NUL)."""
 PR_SET_PDEATHSIG = 1
 """Linux prctl option: the signal a process gets when its parent ends."""
 
@@ -109,19 +108,6 @@ def torchrun_placement(device: Device, timeout_s: float) -> list[tuple[int, int]
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return [(int(t[0]), int(t[1])) for t in every]
-
-
-def start_method(temp_dir: str) -> str:
-    """How the launcher starts the ranks: from a fork server that has imported torch and the worker
-    once (each rank then starts in a fraction of a second instead of importing them again), where
-    the server's socket, in ``temp_dir`` (multiprocessing's), has a path a Unix socket address
-    holds; else (a long TMPDIR) afresh."""
-    import multiprocessing
-
-    if ("forkserver" not in multiprocessing.get_all_start_methods()
-            or len(os.path.join(temp_dir, "listener-12345678")) > UNIX_PATH_MAX):
-        return "spawn"
-    return "forkserver"
 
 
 def die_with_agent() -> None:
@@ -296,16 +282,11 @@ class TorchBackend:
 
     def _spawn(self, payload: Payload, progress: Path, steps_run: Callable[[int], None] | None = None
                ) -> dict[int, RankResult]:
-        import multiprocessing
-        from multiprocessing.util import get_temp_dir
-
         from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-        method = start_method(get_temp_dir())
-        if method == "forkserver":  # what the server imports before it forks a rank
-            multiprocessing.get_context(method).set_forkserver_preload(["torch", "backends.torch_runtime.worker"])
+        method = start_method()
         world = payload.plan.gpus
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"dflop-{uuid.uuid4().hex[:8]}",
                               rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,

@@ -13,22 +13,49 @@ that a profile prices the steps the way they run:
 
 The settings hold for the rest of the process: glibc has no way to read the
 previous ones back.
+
+Both kinds of process start from one fork server (``start_method``) that has
+imported what they run.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import multiprocessing
+import os
+from multiprocessing.util import get_temp_dir
 from typing import Any
 
 import torch
 
 from dflop.specs.execution import CPU_THREADS
 
+UNIX_PATH_MAX = 107
+"""The longest path a Unix socket address holds (Linux: 108 bytes, the last a NUL)."""
+FORK_SERVER_IMPORTS = ("__main__", "torch", "torch.distributed.optim", "torch._dynamo",
+                       "dflop.backends.torch_runtime.worker", "dflop.profile.profiler")
+"""What the fork server imports once, before it forks any process: the launching script (which a
+started process would otherwise import again), torch, a rank's code and a profiling twin's, and what
+a rank imports as it builds its optimizer (ZeRO's, and the compiler module torch's optimizers import
+on first use): each a second or so a process, on every launch, where the server has not."""
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 NEVER_TRIM = 2**31 - 1
 """The largest threshold mallopt takes (an int): the heap's free top is never given back."""
+
+
+def start_method(temp_dir: str | None = None) -> str:
+    """How dflop starts a CPU process (a rank, a profiling twin): forked from a server that has
+    imported ``FORK_SERVER_IMPORTS`` (a process then starts in a fraction of a second), where the
+    server's socket, in ``temp_dir`` (multiprocessing's), has a path a Unix socket address holds;
+    else (a long TMPDIR) afresh. The server is one per process and imports what it was first told."""
+    temp_dir = temp_dir or get_temp_dir()
+    if ("forkserver" not in multiprocessing.get_all_start_methods()
+            or len(os.path.join(temp_dir, "listener-12345678")) > UNIX_PATH_MAX):
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORK_SERVER_IMPORTS))
+    return "forkserver"
 
 
 def _libc(name: str) -> Any:

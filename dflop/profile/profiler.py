@@ -76,7 +76,7 @@ import torch.nn.functional as F
 
 from dflop.cost.profiled import off_their_neighbours
 from dflop.cost.store import FSDP_UNIT, ProfileStore, TPComm, architecture, record_key, tp_comm_of
-from dflop.backends.torch_runtime.cpu_process import set_up_cpu_process
+from dflop.backends.torch_runtime.cpu_process import set_up_cpu_process, start_method
 from dflop.errors import DflopError
 from dflop.models.llm import DecoderBlock, RMSNorm, pack, shard, wide
 from dflop.models.parallel import shard_unit, split_blocks
@@ -689,7 +689,7 @@ def _lock_step(processes: int, name: str, out: str, options: dict[str, Any], tps
     if processes <= 1 or not pending:
         yield None, Meshes()
         return
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context(start_method())
     barrier = ctx.Barrier(processes)
     store = None
     if fsdp or any(tp > 1 for tp in tps):  # rank 0's store, on a port the OS picks
