@@ -27,9 +27,10 @@ pytestmark = pytest.mark.processes
 
 TINY = {"encoder": "tiny-vit", "llm": "tiny-llm", "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": 2},
         "training": {"global_batch": 4}, "data": {"preset": "llava-ov", "samples": 300}, "steps": 4,
-        "scheduler": {"solver": "lpt"}, "execution": {"checkpoint_every": 2},
+        "scheduler": {"solver": "lpt"}, "execution": {"checkpoint_every": 2, "calibrate": False},
         "plan": {"encoder": {"dp": 2}, "llm": {"dp": 2}, "placement": "colocated", "microbatches": 1}}
-"""Checkpoints after steps 2 and 4 of each arm (dflop's bins, then arrival order on the same plan)."""
+"""Checkpoints after steps 2 and 4 of each arm (dflop's bins, then arrival order on the same plan);
+uncalibrated (a calibrated torch run is ``test_calibration``'s)."""
 
 
 def write_config(path, **changes):
@@ -242,7 +243,7 @@ def _step_2(out):
 def continued(finished, tmp_path_factory):
     """A new run on TP2 started with --init-from at the finished dp2 run's step-2 checkpoint."""
     folder = tmp_path_factory.mktemp("init-from")
-    config = write_config(folder / "tp2.yaml", plan=TP2, **{"execution.calibrate": False})
+    config = write_config(folder / "tp2.yaml", plan=TP2)
     out = folder / "run"
     ran = dflop_here("run", "--backend", "torch", "--config", config, "--init-from", _step_2(finished.out),
                      "--no-warmup", "--out", out, "--json")

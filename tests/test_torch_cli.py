@@ -13,7 +13,9 @@ pytestmark = pytest.mark.processes
 
 TINY = {"encoder": "tiny-vit", "llm": "tiny-llm", "cluster": {"hardware": "cpu", "nodes": 1, "gpus_per_node": 2},
         "training": {"global_batch": 4}, "data": {"preset": "llava-ov", "samples": 300}, "steps": 2,
-        "plan": {"encoder": {"dp": 2}, "llm": {"dp": 2}, "placement": "colocated", "microbatches": 1}}
+        "plan": {"encoder": {"dp": 2}, "llm": {"dp": 2}, "placement": "colocated", "microbatches": 1},
+        "execution": {"calibrate": False}}
+"""Uncalibrated: a calibrated torch run and its report are ``test_calibration``'s."""
 
 
 @pytest.fixture()
