@@ -15,16 +15,15 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/dflop run $(ARGS)
 
-# Three workers on this machine's two cores: the tests spend much of their time waiting on the
-# processes they start (start-up, rendezvous, polling), and a third worker fills it. Then alone
-# what compares measured time with a prediction (each run lists its slowest tests, to keep an eye
-# on the suite's time): beside another worker its ranks would outnumber the cores; then what
-# depends on the CPU's floating-point kernels, once under each instruction set the CPU has
-# (tests/cpu_capabilities.py), so a rounding difference shows here before it shows on another
-# machine. Exit status 5 is "no test selected" (ARGS).
+# Two workers, then alone what compares measured time with a prediction (each run lists its
+# slowest tests, to keep an eye on the suite's time): beside another
+# worker its ranks would outnumber the cores; then what depends on the CPU's floating-point
+# kernels, once under each instruction set the CPU has (tests/cpu_capabilities.py), so a
+# rounding difference shows here before it shows on another machine. Exit status 5 is
+# "no test selected" (ARGS).
 PASSED_OR_NONE = rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 3 --durations=10 -m "not alone and not numerics" $(ARGS); $(PASSED_OR_NONE); \
+	$(VENV)/bin/python -m pytest -q -n 2 --durations=10 -m "not alone and not numerics" $(ARGS); $(PASSED_OR_NONE); \
 	$(VENV)/bin/python -m pytest -q --durations=5 -m alone $(ARGS); $(PASSED_OR_NONE); \
 	for cap in $$($(VENV)/bin/python tests/cpu_capabilities.py); do \
 	  echo "numerics under ATEN_CPU_CAPABILITY=$$cap"; \
