@@ -230,7 +230,7 @@ class StepGraph:
         for c, role in enumerate(roles):
             mine = deps[c]
             if role is receive:  # what the fold takes for granted
-                if roles[mine[0]] is not send or len(mine) > 2 or roles[mine[-1]] not in (send, compute):
+                if roles[mine[0]] is not send or len(mine) > 2 or mine[1:] and roles[mine[1]] is not compute:
                     raise ValueError(f"{self.labels[c]}: a receive that waits for more than its send and "
                                      "its worker's previous compute node")
                 receives.append(c)
