@@ -93,7 +93,8 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
     ranks = [len(w.gpus) for w in graph.workers]
     sharing = None
     if cores is not None and cores < sum(ranks):
-        sharing = ProcessorSharing(env, cores, lambda k, now: compute_ended(k, now), lambda c, now: known(c, now, now))
+        sharing = ProcessorSharing(env, cores, lambda k, now: finished(None, k, now, now),
+                                   lambda c, now: known(c, now, now))
     wakes = 0
     plain = graph.unanchored_compute if sharing is None else [False] * n  # ``finished`` starts these itself
 
@@ -124,10 +125,10 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
         if event is not None:
             k = event.value
             now = at = end[k]  # == env.now: the event was due then
-            if shrink[k]:
-                change(worker_of[k], -shrink[k], now)
         else:
             end[k] = at
+        if shrink[k]:  # (a compute node's: no other node books memory)
+            change(worker_of[k], -shrink[k], at)
         for c in delivers[k]:
             if c < 0:  # a send of what k made (``book``, inlined): what follows reads it on arrival
                 c = ~c
@@ -201,11 +202,6 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
         for c in overlapping[k]:
             known(c, at + lag[c].item(), now)
 
-    def compute_ended(k: int, now: int) -> None:
-        if shrink[k]:
-            change(worker_of[k], -shrink[k], now)
-        finished(None, k, now, now)
-
     def collective_done(event: simpy.Event) -> None:
         now = env.now
         for m in graph.collectives[event.value]:
@@ -230,5 +226,5 @@ def execute(graph: StepGraph, costs: StepCosts, *, contention: bool = True, trac
     oom.sort(key=lambda e: (e["ns"], e["worker"]))  # booked as the events come, not in time order
     # the handlers refer to each other: undone here, the cycle (and every list it holds) would wait
     # for the garbage collector
-    finished = begin = run = compute_ended = collective_done = known = None  # noqa: F841
+    finished = begin = run = collective_done = known = None  # noqa: F841
     return Execution(starts, ends, memory, np.array(peak, dtype=float), oom, events)

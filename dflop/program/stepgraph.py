@@ -270,11 +270,7 @@ class StepGraph:
     def unanchored_compute(self) -> list[bool]:
         """Per node: a compute node that nothing is anchored on (what a simulator starts at once)."""
         compute = Role.COMPUTE
-        out = [role is compute for role in self.roles]
-        for a in self.anchor:
-            if a >= 0:
-                out[a] = False
-        return out
+        return [role is compute and not anchored for role, anchored in zip(self.roles, self.overlapping)]
 
     @cached_property
     def link(self) -> list[int]:
